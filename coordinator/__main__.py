@@ -1,0 +1,31 @@
+"""``python -m coordinator [--config PATH]``: run the coordinator with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from coordinator.app import build_app
+from coordinator.config import load_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="coordinator", description=__doc__)
+    parser.add_argument("--config", help="YAML config file (also COORD_CONFIG)")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config)
+    host = args.host or settings.server.host
+    port = args.port or settings.server.port
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
+    uvicorn.run(build_app(settings), host=host, port=port, log_level=settings.server.log_level,
+                access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""SSE framing and the streaming response that owns a request's resources until it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from coordinator.api.openai.errors import sse_error_frame
+from coordinator.pipeline.service import StreamSession
+
+log = logging.getLogger(__name__)
+DONE = b"data: [DONE]\n\n"
+
+
+def frame(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def sse_body(session: StreamSession, on_error: Callable[[BaseException], None]) -> AsyncIterator[bytes]:
+    """Chunks as ``data:`` frames; a failure after the first byte becomes an error frame; one [DONE]."""
+    try:
+        async for chunk in session.events():
+            yield frame(chunk)
+    except Exception as exc:
+        on_error(exc)
+        yield sse_error_frame(exc)
+    yield DONE
+
+
+class OwningStreamingResponse(StreamingResponse):
+    """Releases the session (and whatever else it owns) however the response ends.
+
+    Starlette cancels the body task when the client disconnects, and never starts the body at all if
+    the client is gone before headers are sent, so cleanup cannot live only inside the generator.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._release()

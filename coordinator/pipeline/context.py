@@ -1,0 +1,55 @@
+"""The request's state, handed from stage to stage (no stage reaches into another's internals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from coordinator.pipeline.derender.stop import StopSpec
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class PromptPlan:
+    """One rendered prompt, i.e. one engine request (completions may carry several)."""
+
+    index: int
+    generate: dict[str, Any]          # GenerateRequest JSON exactly as sent to the engine
+    prompt_token_ids: list[int]
+    n: int
+    stop: StopSpec
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.generate["sampling_params"]["max_tokens"])
+
+
+@dataclass
+class RequestContext:
+    """Everything one client request owns while it moves through the pipeline."""
+
+    kind: Kind
+    request_id: str                   # coordinator id (client X-Request-Id or generated)
+    body: dict[str, Any]              # client request; ``model`` rewritten to the served name
+    model: str                        # served model name
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompts: list[PromptPlan] = field(default_factory=list)
+
+    @property
+    def response_id(self) -> str:
+        """OpenAI id shown to the client (derender would otherwise show the engine's internal id)."""
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+    @property
+    def object_name(self) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if self.stream else "chat.completion"
+        return "text_completion"

@@ -1,0 +1,60 @@
+"""Calls to vLLM's stateless derender (batch and one-call-per-chunk streaming)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.errors import UpstreamUnavailable
+from coordinator.pipeline.sidecar import SidecarClient
+
+# Plain (parser-free) streaming derender only needs a prompt *suffix* to seed detokenisation
+# (leading-space handling), so the per-token path does not ship the whole prompt each time.
+_SEED_SUFFIX = 8
+
+
+class Derenderer:
+    def __init__(self, sidecar: SidecarClient, *, parsers: bool) -> None:
+        self._sidecar = sidecar
+        # With a tool or reasoning parser the sidecar needs the full prompt on every chunk.
+        self._parsers = parsers
+
+    async def stream_chunk(self, ctx: RequestContext, plan: PromptPlan, chunk: dict[str, Any],
+                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Derender one engine chunk; returns the OpenAI chunk and the next ``stream_state``."""
+        if self._parsers:
+            seed: list[int] | None = plan.prompt_token_ids
+        else:
+            seed = plan.prompt_token_ids[-_SEED_SUFFIX:] if state is None else None
+        body: dict[str, Any] = {"stream": True, "model": ctx.model, "generate_chunk": chunk,
+                                "stream_state": state, "prompt_tokens": plan.prompt_tokens,
+                                "prompt_token_ids": seed}
+        if ctx.kind == "chat":
+            body["chat_request"] = ctx.body
+            path = "/v1/chat/completions/derender"
+        else:
+            body["completion_request"] = ctx.body
+            path = "/v1/completions/derender"
+        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
+        if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
+            raise UpstreamUnavailable("derender returned an unexpected body")
+        return out["chunk"], out.get("stream_state")
+
+    async def batch(self, ctx: RequestContext, responses: list[dict[str, Any]]) -> dict[str, Any]:
+        """Derender complete generate responses (one per prompt) into one OpenAI response."""
+        if ctx.kind == "chat":
+            plan = ctx.prompts[0]
+            body: dict[str, Any] = {"model": ctx.model, "generate_response": responses[0],
+                                    "prompt_tokens": plan.prompt_tokens,
+                                    "prompt_token_ids": plan.prompt_token_ids, "chat_request": ctx.body}
+            path = "/v1/chat/completions/derender"
+        else:
+            body = {"model": ctx.model, "generate_responses": responses,
+                    "prompt_tokens": [p.prompt_tokens for p in ctx.prompts],
+                    "prompt_token_ids": [p.prompt_token_ids for p in ctx.prompts],
+                    "completion_request": ctx.body}
+            path = "/v1/completions/derender"
+        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
+        if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
+            raise UpstreamUnavailable("derender returned an unexpected body")
+        return out

@@ -1,0 +1,120 @@
+"""Streaming derender of one engine stream: per-choice ``stream_state``, stop strings, commit rule.
+
+The sidecar is stateless; this object owns the state. For each engine chunk the committed state of
+that choice goes to derender, and the returned state is committed only after the derendered chunk
+has been handed to the client writer (``emit`` returned). A failed derender or a cancelled hand-off
+leaves the committed state where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.stop import StopMatcher
+
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class ChoiceState:
+    matcher: StopMatcher
+    stream_state: dict[str, Any] | None = None
+    tokens: int = 0                       # output tokens that count for usage
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    # Only kept when the caller needs the tokens afterwards (non-streaming requests with stop strings).
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+
+
+class PromptStream:
+    """Turns one prompt's engine chunks into client chunks with the global choice index."""
+
+    def __init__(self, ctx: RequestContext, plan: PromptPlan, derenderer: Derenderer, *,
+                 collect: bool = False) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self._derenderer = derenderer
+        self._collect = collect
+        self.choices = {i: ChoiceState(StopMatcher(plan.stop)) for i in range(plan.n)}
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices.values())
+
+    @property
+    def finished(self) -> bool:
+        return all(c.done for c in self.choices.values())
+
+    async def run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
+        """Consume engine chunks until every choice is finished (normally or by a stop string)."""
+        async for chunk in chunks:
+            choices = chunk.get("choices") or []
+            if not choices:
+                continue  # engine usage chunk: usage is recomputed by the session from our own counts
+            await self._one(chunk, choices[0], emit)
+            if self.finished and any(c.stop_reason is not None and c.finish_reason == "stop"
+                                     and isinstance(c.stop_reason, str) for c in self.choices.values()):
+                return  # ended by a stop string: leaving closes (aborts) the engine stream
+        # Otherwise the engine's own [DONE] ended the loop: nothing to abort.
+
+    async def _one(self, chunk: dict[str, Any], choice: dict[str, Any], emit: Emit) -> None:
+        st = self.choices.get(int(choice.get("index", 0)))
+        if st is None or st.done:
+            return  # a choice already ended by a stop string keeps generating until its siblings end
+        new_ids: list[int] = choice.get("token_ids") or []
+        out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state)
+        engine_finish = choice.get("finish_reason")
+        out_choice = out["choices"][0] if out.get("choices") else None
+        stop_hit: str | None = None
+        if out_choice is not None and (self.plan.stop.active or st.matcher.spec.holdback):
+            text = _text_of(self.ctx, out_choice)
+            res = st.matcher.feed(text or "", len(new_ids))
+            released = res.text
+            stop_hit = res.stop
+            if stop_hit is None and engine_finish is not None:
+                released += st.matcher.flush()
+            _set_text(self.ctx, out_choice, released, keep_none=text is None)
+            if stop_hit is not None:
+                out_choice["finish_reason"] = "stop"
+                out_choice["stop_reason"] = stop_hit
+        if out_choice is not None:
+            out_choice["index"] = self.plan.index * self.plan.n + int(out_choice.get("index", 0))
+        out["id"] = self.ctx.response_id
+        out["created"] = self.ctx.created
+        await emit(out)
+        # Handed to the writer: commit.
+        st.stream_state = next_state
+        st.tokens += len(new_ids)
+        if self._collect:
+            st.token_ids.extend(new_ids)
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                st.logprobs.extend(lp["content"])
+        if stop_hit is not None:
+            st.done, st.finish_reason, st.stop_reason = True, "stop", stop_hit
+        elif engine_finish is not None:
+            st.done, st.finish_reason, st.stop_reason = True, engine_finish, choice.get("stop_reason")
+
+
+def _text_of(ctx: RequestContext, choice: dict[str, Any]) -> str | None:
+    if ctx.kind == "chat":
+        delta = choice.get("delta") or {}
+        v = delta.get("content")
+    else:
+        v = choice.get("text")
+    return v if isinstance(v, str) else None
+
+
+def _set_text(ctx: RequestContext, choice: dict[str, Any], text: str, *, keep_none: bool) -> None:
+    if ctx.kind == "chat":
+        delta = choice.setdefault("delta", {})
+        if text or not keep_none:
+            delta["content"] = text
+    else:
+        choice["text"] = text

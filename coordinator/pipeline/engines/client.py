@@ -1,0 +1,165 @@
+"""Token-only engine client: ``POST /inference/v1/generate`` (JSON or SSE) and abort.
+
+Closing a generate stream aborts the request inside vLLM; we also call
+``/inference/v1/abort_requests`` with the engine's full id (``generate-tokens-<id>``) because a
+pooled connection may be closed lazily, and an abort must not depend on that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource
+
+from coordinator.config import EngineClientSettings
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import (
+    PipelineError,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id vLLM gives a request sent with ``X-Request-Id: request_id`` (what abort matches)."""
+    return f"generate-tokens-{request_id}"
+
+
+class EngineStreamError(UpstreamUnavailable):
+    """The engine reported an error inside a stream that had already started."""
+
+
+class EngineClient:
+    def __init__(self, settings: EngineClientSettings, http: httpx.AsyncClient | None = None) -> None:
+        self.settings = settings
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=settings.max_connections,
+                                max_keepalive_connections=settings.max_connections),
+        )
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
+        await self._http.aclose()
+
+    async def generate(self, engine: Engine, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Non-streaming generate; the whole output in one JSON body."""
+        payload = {**body, "stream": False, "stream_options": None}
+        timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
+        try:
+            resp = await self._http.post(f"{engine.url}/inference/v1/generate", json=payload,
+                                         headers={"X-Request-Id": request_id}, timeout=timeout)
+        except asyncio.CancelledError:
+            self.abort_soon(engine, request_id)
+            raise
+        except httpx.TimeoutException as exc:
+            self.abort_soon(engine, request_id)
+            raise UpstreamTimeout(f"engine {engine.url} timed out") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
+        _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
+        data = _json_or_none(resp.content)
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+            raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected body")
+        return data
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine: Engine, body: dict[str, Any], request_id: str,
+                     include_usage: bool) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Open a generate stream; yields once headers are in (200), as an iterator of chunks.
+
+        Leaving the context early closes the HTTP stream and aborts the engine request.
+        """
+        payload = {**body, "stream": True,
+                   "stream_options": {"include_usage": include_usage,
+                                      "continuous_usage_stats": bool(
+                                          (body.get("stream_options") or {}).get("continuous_usage_stats"))}}
+        req = self._http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
+                                       headers={"X-Request-Id": request_id})
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.TimeoutException as exc:
+            self.abort_soon(engine, request_id)
+            raise UpstreamTimeout(f"engine {engine.url} timed out") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
+        finished = False
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
+                raise UpstreamUnavailable(f"engine {engine.url} answered HTTP {resp.status_code}")
+
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
+                nonlocal finished
+                try:
+                    async for event in EventSource(resp).aiter_sse():
+                        if event.data == "[DONE]":
+                            finished = True
+                            return
+                        chunk = json.loads(event.data)
+                        if "error" in chunk:
+                            finished = True
+                            err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                            raise EngineStreamError(f"engine error: {err.get('message', chunk['error'])}")
+                        yield chunk
+                except httpx.TimeoutException as exc:
+                    raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
+                except httpx.HTTPError as exc:
+                    raise UpstreamUnavailable(f"engine {engine.url} stream broke: "
+                                              f"{exc.__class__.__name__}") from exc
+                raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
+
+            yield chunks()
+        finally:
+            await resp.aclose()
+            if not finished:
+                self.abort_soon(engine, request_id)
+
+    def abort_soon(self, engine: Engine, request_id: str) -> None:
+        """Fire-and-forget abort by full engine id; tracked so shutdown waits for it."""
+        task = asyncio.create_task(self.abort(engine, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def abort(self, engine: Engine, request_id: str) -> None:
+        try:
+            await self._http.post(f"{engine.url}/inference/v1/abort_requests",
+                                  json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0)
+        except httpx.HTTPError as exc:
+            log.warning("abort of %s on %s failed: %s", request_id, engine.url, exc.__class__.__name__)
+
+
+def _json_or_none(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
+    if status == 200:
+        return
+    if (400 <= status < 500 and status != 404) or status == 503:
+        raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
+    if status == 404 and isinstance(data, dict) and isinstance(data.get("error"), dict):
+        raise UpstreamClientError(status, data, "engine does not serve this model")
+    raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status}")
+
+
+__all__ = ["EngineClient", "EngineStreamError", "PipelineError", "engine_request_id"]

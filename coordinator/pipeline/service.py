@@ -1,0 +1,207 @@
+"""The request lifecycle, HTTP-free: validate → render → dispatch → derender.
+
+Front doors (OpenAI HTTP, later NNRP) call ``begin`` and then ``complete`` (JSON) or
+``open_stream`` (chunks). Everything acquired for a request is released in ``finally`` blocks
+here, whichever way the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.pipeline.catalog import ModelCatalog
+from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
+from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.stop import truncate_at_stop
+from coordinator.pipeline.derender.stream import PromptStream
+from coordinator.pipeline.dispatch import UnionDispatcher
+from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.validation import validate_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Finished:
+    """Sentinel a producer puts on the queue when its prompt stream ends (with its error, if any)."""
+
+    error: BaseException | None = None
+
+
+class Pipeline:
+    def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: UnionDispatcher,
+                 derenderer: Derenderer, strict: bool, queue_chunks: int) -> None:
+        self.catalog = catalog
+        self._render = render
+        self._dispatch = dispatcher
+        self._derender = derenderer
+        self._strict = strict
+        self._queue_chunks = queue_chunks
+        self.inflight = 0  # client requests between begin() and their release
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def track(self) -> AsyncIterator[None]:
+        """Counts a request as in flight for as long as the caller holds it."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    async def begin(self, kind: Kind, body: Any, request_id: str | None) -> RequestContext:
+        """Validate and render; after this the prompt token ids are known."""
+        body = validate_request(kind, body, strict=self._strict)
+        entry = self.catalog.resolve(body.get("model"))
+        body = {**body, "model": entry.name}
+        stream = bool(body.get("stream"))
+        include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
+        ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
+                             model=entry.name, stream=stream, include_usage=include_usage)
+        await self._render(ctx, entry)
+        return ctx
+
+    # -- non-streaming -------------------------------------------------------------------------
+    async def complete(self, ctx: RequestContext) -> dict[str, Any]:
+        """One JSON response. Stop strings need incremental text, so those prompts stream internally."""
+        try:
+            async with asyncio.TaskGroup() as tg:  # one failure cancels and awaits the siblings
+                tasks = [tg.create_task(self._collect(ctx, p) if p.stop.active
+                                        else self._dispatch.generate(ctx, p)) for p in ctx.prompts]
+        except BaseExceptionGroup as group:
+            raise _first_leaf(group) from None
+        responses = [t.result() for t in tasks]
+        out = await self._derender.batch(ctx, responses)
+        out["id"] = ctx.response_id
+        self._apply_stop_text(ctx, out)
+        return out
+
+    async def _collect(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
+        """Stream one prompt internally until done or stopped; return it as a GenerateResponse."""
+        ps = PromptStream(ctx, plan, self._derender, collect=True)
+
+        async def discard(_: dict[str, Any]) -> None:
+            return None
+
+        async with self._dispatch.stream(ctx, plan) as chunks:
+            await ps.run(chunks, discard)
+        usage = {"prompt_tokens": plan.prompt_tokens, "completion_tokens": ps.completion_tokens,
+                 "total_tokens": plan.prompt_tokens + ps.completion_tokens}
+        choices = []
+        for i, st in sorted(ps.choices.items()):
+            choices.append({"index": i, "finish_reason": st.finish_reason or "stop",
+                            "stop_reason": st.stop_reason, "token_ids": st.token_ids,
+                            "logprobs": {"content": st.logprobs} if st.logprobs else None})
+        return {"request_id": plan.generate["request_id"], "model": ctx.model, "created": ctx.created,
+                "usage": usage, "output_mode": "tokens", "choices": choices}
+
+    @staticmethod
+    def _apply_stop_text(ctx: RequestContext, out: dict[str, Any]) -> None:
+        """Batch derender returns the text of all kept tokens; cut it at the stop string."""
+        by_index = {p.index * p.n + c: p for p in ctx.prompts for c in range(p.n)}
+        for choice in out.get("choices", []):
+            plan = by_index.get(int(choice.get("index", 0)))
+            if plan is None or not plan.stop.active or choice.get("stop_reason") is None:
+                continue
+            if not isinstance(choice.get("stop_reason"), str):
+                continue
+            if ctx.kind == "chat":
+                msg = choice.get("message") or {}
+                if isinstance(msg.get("content"), str):
+                    msg["content"] = truncate_at_stop(msg["content"], plan.stop)[0]
+            elif isinstance(choice.get("text"), str):
+                choice["text"] = truncate_at_stop(choice["text"], plan.stop)[0]
+
+    # -- streaming -----------------------------------------------------------------------------
+    async def open_stream(self, ctx: RequestContext) -> StreamSession:
+        """Open every engine stream before the first byte goes to the client."""
+        session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks)
+        try:
+            await session.open()
+        except BaseException:
+            await session.aclose()
+            raise
+        return session
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+class StreamSession:
+    """All engine streams of one request, merged into one chunk sequence through a bounded queue."""
+
+    def __init__(self, ctx: RequestContext, dispatch: UnionDispatcher, derenderer: Derenderer,
+                 queue_chunks: int) -> None:
+        self.ctx = ctx
+        self._dispatch = dispatch
+        self._derender = derenderer
+        self._queue: asyncio.Queue[dict[str, Any] | _Finished] = asyncio.Queue(maxsize=queue_chunks)
+        self._stack = contextlib.AsyncExitStack()
+        self._streams: list[tuple[PromptStream, AsyncIterator[dict[str, Any]]]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def open(self) -> None:
+        opened = await asyncio.gather(
+            *(self._stack.enter_async_context(self._dispatch.stream(self.ctx, p)) for p in self.ctx.prompts),
+            return_exceptions=True)
+        errors = [o for o in opened if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+        self._streams = [(PromptStream(self.ctx, p, self._derender), chunks)  # type: ignore[misc]
+                         for p, chunks in zip(self.ctx.prompts, opened, strict=True)]
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Client chunks in arrival order, then the usage chunk if asked for. Raises on failure."""
+        for ps, chunks in self._streams:
+            self._tasks.append(asyncio.create_task(self._produce(ps, chunks)))
+        pending = len(self._tasks)
+        while pending:
+            item = await self._queue.get()
+            if isinstance(item, _Finished):
+                pending -= 1
+                if item.error is not None:
+                    raise item.error
+                continue
+            yield item
+        if self.ctx.include_usage:
+            yield self.usage_chunk()
+
+    async def _produce(self, ps: PromptStream, chunks: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            await ps.run(chunks, self._queue.put)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, which cancels the siblings
+            await self._queue.put(_Finished(exc))
+            return
+        await self._queue.put(_Finished())
+
+    def usage_chunk(self) -> dict[str, Any]:
+        prompt = sum(p.prompt_tokens for p in self.ctx.prompts)
+        completion = sum(ps.completion_tokens for ps, _ in self._streams)
+        return {"id": self.ctx.response_id, "object": self.ctx.object_name, "created": self.ctx.created,
+                "model": self.ctx.model, "choices": [],
+                "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                          "completion_tokens": completion}}
+
+    async def aclose(self) -> None:
+        """Cancel and await every producer, then close the engine streams (which aborts them)."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._stack.aclose()

@@ -1,0 +1,38 @@
+"""One config tree from YAML with environment overrides."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.config import load_settings
+
+
+def test_yaml_then_environment_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "render: {url: 'http://render:8100', timeout_s: 2}\n"
+        "engines: [{url: 'http://e1:8200'}, {url: 'http://e2:8200', role: decode}]\n"
+        "models: [{name: m1, aliases: [gpt-4o-mini]}]\n"
+    )
+    monkeypatch.setenv("COORD_RENDER__TIMEOUT_S", "7.5")
+    s = load_settings(cfg)
+    assert s.render.url == "http://render:8100"
+    assert s.render.timeout_s == 7.5
+    assert [e.role for e in s.engines] == ["union", "decode"]
+    assert s.models[0].aliases == ["gpt-4o-mini"]
+
+
+def test_duplicate_alias_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COORD_CONFIG", raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("models: [{name: a, aliases: [x]}, {name: b, aliases: [x]}]\n")
+    with pytest.raises(ValidationError, match="configured twice"):
+        load_settings(cfg)
+
+
+def test_unknown_key_is_rejected(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rendr: {url: x}\n")
+    with pytest.raises(ValidationError):
+        load_settings(cfg)
