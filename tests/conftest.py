@@ -1,0 +1,97 @@
+"""Session-wide real vLLM parts (render sidecar, CPU engines) and per-test coordinators.
+
+The render sidecar and both engines are started together the first time a test needs any of them
+(they boot in parallel: about a minute or two on 2 cores) and stopped at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.config import EngineSettings, ModelSettings, Settings
+from tests.support import CoordinatorServer, free_port
+
+SERVED = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class VllmStack:
+    render: Any
+    engine: Any          # --tokens-only: what the coordinator uses
+    native: Any          # --enable-scale-out: the native OpenAI reference on the same model
+
+    @property
+    def render_url(self) -> str:
+        return str(self.render.url)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from token_engine.model_prep import ensure_model
+
+    return ensure_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.launch import VllmEngine
+
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    echo = bool(os.environ.get("LLMC_TEST_ECHO"))
+    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
+                           log_path=logs / "render.log", echo=echo)
+    engine = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
+                        max_model_len=MAX_MODEL_LEN, log_path=logs / "engine.log", echo=echo)
+    native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
+                        max_model_len=MAX_MODEL_LEN, log_path=logs / "native.log", echo=echo, name="native")
+    servers = [render, engine, native]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout=600)
+        yield VllmStack(render, engine, native)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def make_settings(render_url: str, engine_urls: list[str], **overrides: Any) -> Settings:
+    base: dict[str, Any] = {
+        "render": {"url": render_url},
+        "engines": [EngineSettings(url=u) for u in engine_urls],
+        "models": [ModelSettings(name=SERVED, aliases=["gpt-4o-mini"])],
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    os.environ.pop("COORD_CONFIG", None)
+    return Settings(**base)
+
+
+CoordinatorFactory = Callable[..., CoordinatorServer]
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator[CoordinatorFactory]:
+    """``make(render_url, [engine urls], **settings overrides)`` → a started coordinator."""
+    started: list[CoordinatorServer] = []
+
+    def make(render_url: str, engine_urls: list[str], **overrides: Any) -> CoordinatorServer:
+        server = CoordinatorServer(make_settings(render_url, engine_urls, **overrides)).__enter__()
+        started.append(server)
+        return server
+
+    yield make
+    for s in started:
+        s.__exit__(None, None, None)
