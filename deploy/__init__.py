@@ -1,0 +1,1 @@
+"""Deployment helpers: the local all-in-one stack and its configuration."""

