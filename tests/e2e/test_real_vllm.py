@@ -169,7 +169,8 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [
     ("max_tokens beyond context", chat("hi", max_tokens=5000), 400, "max_tokens"),
     ("unknown model", {**chat("hi"), "model": "nope"}, 404, "model"),
     ("unsupported field", chat("hi", frobnicate=True), 400, "frobnicate"),
-    ("bad message role", {**chat("hi"), "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("render rejects message content", {**chat("hi"), "messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("render rejects tools", chat("hi", tools=[{"type": "function"}]), 400, None),
     ("stream_options without stream", chat("hi", stream_options={"include_usage": True}), 400, "stream_options"),
 ]
 

@@ -1,0 +1,80 @@
+"""CLI: `python -m token_engine.simulator --port 8300 --model smollm2-135m-instruct --max-model-len 2048`.
+
+Flags mirror the `vllm serve` ones where they exist, so a launcher can swap a real engine for a simulated one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from .app import build_app
+from .config import SimConfig
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, SimConfig]:
+    p = argparse.ArgumentParser(prog="python -m token_engine.simulator", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8300)
+    p.add_argument("--model", "--served-model-name", dest="model", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--decode-ms", type=float, default=None, help="milliseconds per generated token")
+    p.add_argument("--ttft-ms", type=float, default=None, help="base time to first token")
+    p.add_argument(
+        "--prefill-us-per-token", type=float, default=None, help="microseconds per uncached prompt token"
+    )
+    p.add_argument("--mode", choices=["echo", "random", "script"], default=None)
+    p.add_argument(
+        "--script", type=_int_list, default=None, help="comma-separated token ids for --mode script"
+    )
+    p.add_argument("--eos-token-id", type=int, default=None)
+    p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None)
+    p.add_argument("--engine-id", default=None, help="remote_engine_id in kv_transfer_params")
+    p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_concurrency", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--config-json", default=None, help="SimConfig as JSON (flags override it)")
+    p.add_argument("--log-level", default="warning")
+    args = p.parse_args(argv)
+
+    base: dict[str, Any] = json.loads(args.config_json) if args.config_json else {}
+    overrides: dict[str, Any] = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "decode_s_per_token": None if args.decode_ms is None else args.decode_ms / 1000.0,
+        "ttft_s": None if args.ttft_ms is None else args.ttft_ms / 1000.0,
+        "prefill_s_per_token": None if args.prefill_us_per_token is None else args.prefill_us_per_token / 1e6,
+        "mode": args.mode,
+        "script_tokens": args.script,
+        "eos_token_id": args.eos_token_id,
+        "kv_role": args.kv_role,
+        "engine_id": args.engine_id,
+        "max_concurrency": args.max_concurrency,
+        "block_size": args.block_size,
+        "capacity_blocks": args.capacity_blocks,
+        "api_key": args.api_key,
+        "seed": args.seed,
+    }
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if args.max_concurrency is not None:
+        base.setdefault("max_num_seqs", args.max_concurrency)
+    return args, SimConfig(**base)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, config = parse_args(argv)
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Configuration of the simulated token-only engine.
+
+One pydantic model so the CLI, pytest fixtures and benchmark harnesses all describe an engine the
+same way. Defaults imitate `vllm serve SmolLM2-135M-Instruct --tokens-only --max-model-len 2048`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+OutputMode = Literal["echo", "script", "random"]
+KvRole = Literal["prefill", "decode", "both"]
+StreamOrder = Literal["sequential", "interleaved"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+# SmolLM2's added special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...) are ids 0..16.
+_SMOLLM2_SPECIAL_IDS = list(range(17))
+
+
+class SimConfig(BaseModel):
+    """Everything that shapes a simulated engine's wire behaviour, output and timing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # --- identity (what /v1/models and error messages show) ---
+    model: str = "smollm2-135m-instruct"
+    """Served model name; a request naming another model gets vLLM's 404."""
+    model_root: str | None = None
+    """`root` in /v1/models (vLLM shows the model path); defaults to `model`."""
+    max_model_len: int = Field(default=2048, ge=2)
+    vocab_size: int = Field(default=49152, ge=2)
+    max_num_seqs: int = Field(default=256, ge=1)
+    """vLLM rejects `sampling_params.n` above this with a 400."""
+    max_logprobs: int = 20
+    """vLLM's `--max-logprobs` (-1 = vocab size); larger `logprobs` requests fail at the engine."""
+    default_max_tokens: int | None = None
+    """A generation_config `max_new_tokens`; caps `max_tokens` when the client omits it."""
+
+    # --- stopping ---
+    eos_token_id: int | None = 2
+    eos_as_stop_token_id: bool = True
+    """True mirrors `--tokens-only`: without a tokenizer vLLM's EOS id is None and the generation
+    config's EOS becomes a stop token id, so EOS finishes with `stop_reason: <eos id>`. False mirrors a
+    server that loads a tokenizer (`stop_reason: null` on EOS)."""
+
+    # --- output model ---
+    mode: OutputMode = "echo"
+    script_tokens: list[int] = Field(default_factory=lambda: [31, 1046, 314, 253, 3174, 30])
+    """Tokens emitted by mode "script" before EOS."""
+    echo_skip_last: int = Field(default=8, ge=0)
+    """Echo drops a trailing generation prompt: everything from the last special token among the prompt's
+    last this-many tokens (SmolLM2's `<|im_start|>assistant\\n` is 4 tokens: 1, 520, 9531, 198)."""
+    echo_skip_ids: list[int] = Field(default_factory=lambda: list(_SMOLLM2_SPECIAL_IDS))
+    """Ids never echoed (special tokens), so the echo decodes to plain text and never hits EOS."""
+    echo_fallback_token_id: int = 30
+    echo_max_cycles: int | None = None
+    """When set, echo emits EOS after repeating the source this many times."""
+    random_lo: int = 17
+    random_hi: int = 49152
+    random_eos_prob: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int = 0
+    """Mixed into every request's PRNG so two simulators can be told apart."""
+
+    # --- timing (seconds) ---
+    ttft_s: float = Field(default=0.0, ge=0.0)
+    prefill_s_per_token: float = Field(default=0.0, ge=0.0)
+    decode_s_per_token: float = Field(default=0.0, ge=0.0)
+    max_concurrency: int = Field(default=256, ge=1)
+    """Requests beyond this wait (counted in `vllm:num_requests_waiting`)."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    stream_interval: int = Field(default=1, ge=1)
+    """vLLM's `--stream-interval`: tokens per streamed delta (first token and finish always flush)."""
+    n_stream_order: StreamOrder = "sequential"
+    """"sequential": all of choice 0's chunks, then choice 1's (observed on vLLM 0.32 with n=2)."""
+
+    # --- prefix cache / KV ---
+    block_size: int = Field(default=16, ge=1)
+    capacity_blocks: int = Field(default=4096, ge=1)
+    enable_prefix_caching: bool = True
+    enable_prompt_tokens_details: bool = False
+    """vLLM's `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens`."""
+
+    # --- P/D (NixlConnector-shaped kv_transfer_params) ---
+    kv_role: KvRole | None = None
+    engine_id: str = "sim-engine-0"
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    tp_size: int = 1
+
+    # --- misc wire details ---
+    weight_version: str = "default"
+    api_key: str | None = None
+    """vLLM's `--api-key`: guards /v1, /v2, /inference with `401 {"error":"Unauthorized"}`."""
+    legacy_abort_route: bool = True
+    """`--tokens-only` also mounts the unauthenticated `POST /abort_requests`."""
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> SimConfig:
+        if self.random_lo >= self.random_hi:
+            raise ValueError("random_lo must be below random_hi")
+        return self
+
+    @property
+    def served_root(self) -> str:
+        return self.model_root or self.model

@@ -1,0 +1,501 @@
+"""The simulated engine core: admission, prefill/decode timing, stopping rules, abort, statistics.
+
+It plays the part of vLLM's AsyncLLM + scheduler for one `/inference/v1/generate` request: `generate()` is
+an async generator of per-choice deltas, checked lazily on first iteration like `AsyncLLM.generate` (so
+engine-side rejections reach a streaming client as a post-200 error event), and a cancelled iteration
+(client disconnect) aborts the request. Stopping follows `vllm/v1/core/sched/utils.py:check_stop`: EOS/stop
+token first (the token is kept in `token_ids`), then length (`max_tokens` or `max_model_len`); min_tokens
+masks EOS and stop ids as vLLM's MinTokensLogitsProcessor does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .config import SimConfig
+from .errors import SimValidationError
+from .output_model import TokenSource, fake_logprob, make_source
+from .prefix_cache import PrefixCache
+from .protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+Outcome = Literal["completed", "aborted", "errored"]
+
+
+@dataclass
+class ChoiceDelta:
+    """One engine output for one choice: the new tokens, and the finish details on its last delta."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+    logprobs: list[GenerateLogProbsContent] | None = None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    source: TokenSource
+    want_logprobs: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[GenerateLogProbsContent] = field(default_factory=list)
+    unsent: int = 0
+    sent_any: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    queue: list[ChoiceDelta] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SimRequest:
+    """A request as the engine sees it; the HTTP layer reads the final state after `generate()` ends."""
+
+    external_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int | None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error_after_tokens: int | None = None
+    internal_id: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    status: Literal["new", "waiting", "running", "finished"] = "new"
+    outcome: Outcome | None = None
+    num_cached_tokens: int = 0
+    choices: list[ChoiceState] = field(default_factory=list)
+    response_kv_transfer_params: dict[str, Any] | None = None
+    abort_event: asyncio.Event = field(default_factory=asyncio.Event)
+    _admitted: asyncio.Future[bool] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.internal_id:
+            # vLLM appends 8 random hex chars so duplicate external ids can coexist.
+            self.internal_id = f"{self.external_id}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class EngineStats:
+    requests_total: int = 0
+    completed: int = 0
+    errored: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    aborted_ids: deque[str] = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+class SimEngine:
+    """Holds every in-flight request; all methods run on the server's event loop."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.prefix_cache = PrefixCache(
+            config.block_size, config.capacity_blocks, config.enable_prefix_caching
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, SimRequest] = {}
+        self._by_external: dict[str, set[str]] = {}
+        self._running: dict[str, SimRequest] = {}
+        self._waiting: list[tuple[int, float, int, SimRequest]] = []
+        self._seq = itertools.count()
+        self._block_counter = itertools.count()
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def running(self) -> list[SimRequest]:
+        return list(self._running.values())
+
+    @property
+    def waiting(self) -> list[SimRequest]:
+        return [entry[3] for entry in sorted(self._waiting)]
+
+    def kv_cache_usage(self) -> float:
+        """Blocks held by running requests over the block pool (cached-but-free blocks count as free)."""
+        bs = self.config.block_size
+        used = sum(
+            math.ceil((len(r.prompt) + max((len(c.tokens) for c in r.choices), default=0)) / bs)
+            for r in self._running.values()
+        )
+        return min(1.0, used / self.config.capacity_blocks)
+
+    # ------------------------------------------------------------------ abort
+
+    def abort(self, request_ids: list[str] | str) -> None:
+        """Abort by *external* id (`generate-tokens-...`).
+
+        Every request sharing the id stops; unknown ids are ignored (vLLM answers 200 either way).
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for ext in ids:
+            for internal in list(self._by_external.get(ext, ())):
+                req = self._requests.get(internal)
+                if req is not None:
+                    req.abort_event.set()
+
+    # ------------------------------------------------------------------ generation
+
+    def check_request(self, req: SimRequest) -> None:
+        """Engine-side rejections in the order of vLLM's InputProcessor: params, prompt length, max_tokens."""
+        cfg, sp = self.config, req.params
+        max_allowed = cfg.vocab_size if cfg.max_logprobs == -1 else cfg.max_logprobs
+        if sp.logprobs:
+            num = cfg.vocab_size if sp.logprobs == -1 else sp.logprobs
+            if num > max_allowed:
+                raise SimValidationError(
+                    f"Requested sample logprobs of {num}, which is greater than max allowed: {max_allowed}",
+                    "logprobs",
+                    num,
+                )
+        if sp.prompt_logprobs:
+            num = cfg.vocab_size if sp.prompt_logprobs == -1 else sp.prompt_logprobs
+            if num > max_allowed:
+                raise SimValidationError(
+                    f"Requested prompt logprobs of {num}, which is greater than max allowed: {max_allowed}",
+                    "prompt_logprobs",
+                    num,
+                )
+        bad = [t for t in sp.stop_token_ids or [] if t < 0 or t >= cfg.vocab_size]
+        if bad:
+            raise SimValidationError(
+                f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {cfg.vocab_size}",
+                "stop_token_ids",
+                bad,
+            )
+        n, m = len(req.prompt), cfg.max_model_len
+        if n > m:
+            raise SimValidationError(
+                f"The decoder prompt (length {n}) is longer than the maximum model length of {m}. "
+                "Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
+        if n == m:
+            raise SimValidationError(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
+                f"is longer than the maximum model length of {m}. Make sure that `max_model_len` is no "
+                "smaller than the number of text tokens (prompt + requested output tokens)."
+            )
+        if req.max_tokens is None:
+            req.max_tokens = m - n
+            if sp.min_tokens > req.max_tokens:
+                raise SimValidationError(
+                    f"min_tokens must be less than or equal to max_tokens={req.max_tokens}, "
+                    f"got {sp.min_tokens}."
+                )
+
+    async def generate(self, req: SimRequest) -> AsyncGenerator[ChoiceDelta, None]:
+        """Run one request; yields deltas in emission order. Cancellation (disconnect) counts as an abort."""
+        self.check_request(req)
+        self._register(req)
+        try:
+            if await self._admit(req):
+                async for delta in self._run(req):
+                    yield delta
+            for delta in self._abort_outputs(req):
+                yield delta
+            self._finish(req)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away; it only aborted the request if some choice was still generating.
+            self._finish(req, disconnected=not req.choices or not all(c.finished for c in req.choices))
+            raise
+        finally:
+            self._release(req)
+
+    async def _run(self, req: SimRequest) -> AsyncIterator[ChoiceDelta]:
+        cfg, sp = self.config, req.params
+        script = _sim_script(sp)
+        req.choices = [
+            ChoiceState(
+                index=i,
+                source=make_source(
+                    cfg, req.prompt, seed=sp.seed, index=i, temperature=sp.temperature, script=script
+                ),
+                want_logprobs=sp.logprobs is not None,
+            )
+            for i in range(sp.n)
+        ]
+        # Prefill: cost of the uncached prompt tail (a NIXL remote prefill leaves only the last token).
+        cached = self.prefix_cache.lookup(req.prompt, req.cache_salt)
+        req.num_cached_tokens = cached
+        uncached = len(req.prompt) - cached
+        if self._is_remote_prefill(req):
+            uncached = min(uncached, 1)
+        if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached):
+            return
+        self.prefix_cache.insert(req.prompt, req.cache_salt)
+        self.stats.prompt_tokens += len(req.prompt)
+
+        stop_ids, banned = self._stop_sets(sp)
+        interval = sp.stream_interval or cfg.stream_interval
+        produced = 0
+        while True:
+            for choice in req.choices:
+                if choice.finished:
+                    continue
+                tok = choice.source.next_token(banned if len(choice.tokens) < sp.min_tokens else frozenset())
+                choice.tokens.append(tok)
+                choice.unsent += 1
+                produced += 1
+                self.stats.generation_tokens += 1
+                if sp.logprobs is not None:
+                    choice.logprobs.append(self._logprob_entry(tok, sp.logprobs))
+                self._check_stop(req, choice, tok, stop_ids)
+                if req.error_after_tokens is not None and produced >= req.error_after_tokens:
+                    choice.finish_reason, choice.stop_reason = "error", None
+                if choice.finished or not choice.sent_any or choice.unsent >= interval:
+                    choice.queue.append(self._flush(choice))
+            for delta in self._drain(req):
+                yield delta
+            if any(c.finish_reason == "error" for c in req.choices):
+                for c in req.choices:  # the engine fails the whole request
+                    if not c.finished:
+                        c.finish_reason = "error"
+                        c.queue.append(self._flush(c))
+                for delta in self._drain(req):
+                    yield delta
+                return
+            if all(c.finished for c in req.choices):
+                self._maybe_kv_transfer_params(req)
+                return
+            if await self._sleep(req, cfg.decode_s_per_token):
+                return
+
+    def _stop_sets(self, sp: SamplingParams) -> tuple[frozenset[int], frozenset[int]]:
+        """(ids that stop with stop_reason=<id>, ids masked before min_tokens)."""
+        eos = self.config.eos_token_id
+        stop_ids = set(sp.stop_token_ids or [])
+        banned = set(stop_ids)
+        if eos is not None:
+            banned.add(eos)
+            if self.config.eos_as_stop_token_id and not sp.ignore_eos:
+                stop_ids.add(eos)
+        return frozenset(stop_ids), frozenset(banned)
+
+    def _check_stop(self, req: SimRequest, choice: ChoiceState, tok: int, stop_ids: frozenset[int]) -> None:
+        cfg, sp = self.config, req.params
+        eos = cfg.eos_token_id
+        if not cfg.eos_as_stop_token_id and eos is not None and tok == eos and not sp.ignore_eos:
+            choice.finish_reason, choice.stop_reason = "stop", None
+        elif tok in stop_ids:
+            choice.finish_reason, choice.stop_reason = "stop", tok
+        elif len(req.prompt) + len(choice.tokens) >= cfg.max_model_len or (
+            req.max_tokens is not None and len(choice.tokens) >= req.max_tokens
+        ):
+            choice.finish_reason, choice.stop_reason = "length", None
+
+    def _flush(self, choice: ChoiceState) -> ChoiceDelta:
+        new = choice.tokens[len(choice.tokens) - choice.unsent :] if choice.unsent else []
+        logprobs = None
+        if choice.want_logprobs:  # an empty delta (abort) still carries `{"content": []}`
+            logprobs = choice.logprobs[len(choice.logprobs) - len(new) :] if new else []
+        choice.unsent = 0
+        choice.sent_any = True
+        return ChoiceDelta(
+            index=choice.index,
+            token_ids=new,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            weight_versions=self._weight_versions(choice) if choice.finished else None,
+            logprobs=logprobs,
+        )
+
+    def _weight_versions(self, choice: ChoiceState) -> list[dict[str, Any]]:
+        """vLLM reports one span over every output token; an output with no tokens has no spans."""
+        n = len(choice.tokens)
+        return [{"version": self.config.weight_version, "start": 0, "end": n}] if n else []
+
+    def _drain(self, req: SimRequest) -> list[ChoiceDelta]:
+        """Queued deltas in emission order: interleaved, or choice by choice ("sequential")."""
+        out: list[ChoiceDelta] = []
+        if self.config.n_stream_order == "interleaved":
+            for c in req.choices:
+                out.extend(c.queue)
+                c.queue.clear()
+            return out
+        for c in req.choices:
+            out.extend(c.queue)
+            c.queue.clear()
+            if not c.finished:
+                break
+        return out
+
+    def _abort_outputs(self, req: SimRequest) -> list[ChoiceDelta]:
+        """Aborted choices end with an empty delta carrying finish_reason "abort" (plus unflushed tokens)."""
+        if not req.abort_event.is_set():
+            return []
+        if not req.choices:  # aborted while waiting: vLLM still answers every choice
+            want = req.params.logprobs is not None
+            req.choices = [
+                ChoiceState(index=i, source=_NullSource(), want_logprobs=want) for i in range(req.params.n)
+            ]
+        for c in req.choices:
+            if not c.finished:
+                c.finish_reason, c.stop_reason = "abort", None
+                c.queue.append(self._flush(c))
+        out: list[ChoiceDelta] = []
+        for c in req.choices:
+            out.extend(c.queue)
+            c.queue.clear()
+        return out
+
+    def _logprob_entry(self, tok: int, k: int) -> GenerateLogProbsContent:
+        count = self.config.vocab_size if k == -1 else max(k, 1)
+        lp = fake_logprob(tok, 1)
+        top = [GenerateLogProb(token_id=tok, logprob=lp, rank=1)]
+        for j in range(1, count):
+            other = (tok + j) % self.config.vocab_size
+            top.append(GenerateLogProb(token_id=other, logprob=fake_logprob(other, j + 1), rank=j + 1))
+        return GenerateLogProbsContent(token_id=tok, logprob=lp, rank=1, top_logprobs=top)
+
+    # ------------------------------------------------------------------ P/D
+
+    def _is_remote_prefill(self, req: SimRequest) -> bool:
+        p = req.kv_transfer_params or {}
+        needed = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+        return (
+            self.config.kv_role in ("decode", "both")
+            and bool(p.get("do_remote_prefill"))
+            and all(p.get(k) is not None for k in needed)
+        )
+
+    def _maybe_kv_transfer_params(self, req: SimRequest) -> None:
+        """NixlConnector request_finished(): a prefill leg that stopped or hit length hands blocks over."""
+        p = req.kv_transfer_params or {}
+        if self.config.kv_role not in ("prefill", "both") or not p.get("do_remote_decode"):
+            return
+        if any(c.finish_reason not in ("stop", "length") for c in req.choices):
+            return
+        generated = max(len(c.tokens) for c in req.choices)
+        computed = len(req.prompt) + generated - 1  # the last sampled token has no KV yet
+        nblocks = math.ceil(computed / self.config.block_size)
+        blocks = [next(self._block_counter) % self.config.capacity_blocks for _ in range(nblocks)]
+        cfg = self.config
+        req.response_kv_transfer_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": cfg.engine_id,
+            "remote_request_id": req.internal_id,
+            "remote_host": cfg.side_channel_host,
+            "remote_port": cfg.side_channel_port,
+            "tp_size": cfg.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": computed,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+        }
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _register(self, req: SimRequest) -> None:
+        self.stats.requests_total += 1
+        self._requests[req.internal_id] = req
+        self._by_external.setdefault(req.external_id, set()).add(req.internal_id)
+
+    async def _admit(self, req: SimRequest) -> bool:
+        """Wait for a running slot; False if aborted while waiting."""
+        if len(self._running) < self.config.max_concurrency and not self._waiting:
+            self._start(req)
+            return True
+        loop = asyncio.get_running_loop()
+        req._admitted = loop.create_future()
+        req.status = "waiting"
+        prio = req.priority if self.config.scheduling_policy == "priority" else 0
+        heapq.heappush(self._waiting, (prio, req.arrival, next(self._seq), req))
+        abort_wait = asyncio.ensure_future(req.abort_event.wait())
+        waiters: set[asyncio.Future[Any]] = {req._admitted, abort_wait}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            abort_wait.cancel()
+        if req._admitted.done() and req._admitted.result():
+            return not req.abort_event.is_set()
+        return False
+
+    def _start(self, req: SimRequest) -> None:
+        req.status = "running"
+        self._running[req.internal_id] = req
+
+    def _release(self, req: SimRequest) -> None:
+        """Free the slot (or the queue entry) and hand the slot to the next waiter."""
+        self._running.pop(req.internal_id, None)
+        self._waiting = [e for e in self._waiting if e[3] is not req]
+        heapq.heapify(self._waiting)
+        self._requests.pop(req.internal_id, None)
+        ids = self._by_external.get(req.external_id)
+        if ids is not None:
+            ids.discard(req.internal_id)
+            if not ids:
+                del self._by_external[req.external_id]
+        while self._waiting and len(self._running) < self.config.max_concurrency:
+            nxt = heapq.heappop(self._waiting)[3]
+            if nxt._admitted is not None and not nxt._admitted.done():
+                self._start(nxt)
+                nxt._admitted.set_result(True)
+
+    def _finish(self, req: SimRequest, disconnected: bool = False) -> None:
+        if req.status == "finished":
+            return
+        req.status = "finished"
+        if disconnected or req.abort_event.is_set():
+            req.outcome = "aborted"
+            self.stats.aborted_ids.append(req.external_id)
+        elif any(c.finish_reason == "error" for c in req.choices):
+            req.outcome = "errored"
+            self.stats.errored += 1
+        else:
+            req.outcome = "completed"
+            self.stats.completed += 1
+        for c in req.choices:
+            reason = c.finish_reason or "abort"
+            self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+
+    def abort_internal(self, req: SimRequest) -> None:
+        """The server gave up on the request (e.g. an injected connection drop)."""
+        req.abort_event.set()
+        self._finish(req, disconnected=True)
+
+    async def _sleep(self, req: SimRequest, delay: float) -> bool:
+        """Sleep `delay` seconds; True (early) if the request was aborted meanwhile."""
+        if req.abort_event.is_set():
+            return True
+        if delay <= 0:
+            await asyncio.sleep(0)
+            return req.abort_event.is_set()
+        waiter = asyncio.ensure_future(req.abort_event.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=delay)
+        finally:
+            waiter.cancel()
+        return req.abort_event.is_set()
+
+
+class _NullSource:
+    def next_token(self, banned: frozenset[int]) -> int:
+        raise RuntimeError("an aborted choice produces no tokens")
+
+
+def _sim_script(sp: SamplingParams) -> list[int] | None:
+    """`extra_args.sim_script`: a per-request token script (vLLM ignores unknown extra_args)."""
+    script = (sp.extra_args or {}).get("sim_script")
+    if isinstance(script, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in script):
+        return script
+    return None
