@@ -40,28 +40,53 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmStack]:
+def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+def _echo() -> bool:
+    return bool(os.environ.get("LLMC_TEST_ECHO"))
+
+
+@pytest.fixture(scope="session")
+def render_sidecar(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
+    """The real render sidecar, shared by every test that needs render/derender."""
     from render_sidecar.launch import RenderSidecar
+
+    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
+                           log_path=logs_dir / "render.log", echo=_echo())
+    try:
+        render.start()
+        render.wait_ready(timeout=600)
+        yield render
+    finally:
+        render.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) -> Iterator[VllmStack]:
+    """Render sidecar + token-only engine + native (scale-out) reference engine.
+
+    The engines are started before the sidecar fixture is resolved so that all three boot in parallel.
+    """
     from token_engine.launch import VllmEngine
 
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    echo = bool(os.environ.get("LLMC_TEST_ECHO"))
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           log_path=logs / "render.log", echo=echo)
     engine = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
-                        max_model_len=MAX_MODEL_LEN, log_path=logs / "engine.log", echo=echo)
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "engine.log", echo=_echo())
     native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
-                        max_model_len=MAX_MODEL_LEN, log_path=logs / "native.log", echo=echo, name="native")
-    servers = [render, engine, native]
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "native.log", echo=_echo(),
+                        name="native")
+    engines = [engine, native]
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready(timeout=600)
+        for e in engines:
+            e.start()
+        render = request.getfixturevalue("render_sidecar")
+        for e in engines:
+            e.wait_ready(timeout=600)
         yield VllmStack(render, engine, native)
     finally:
-        for s in servers:
-            s.stop()
+        for e in engines:
+            e.stop()
 
 
 def make_settings(render_url: str, engine_urls: list[str], **overrides: Any) -> Settings:
