@@ -33,8 +33,11 @@ model: venv
 run: venv model
 	$(PY) deploy/local_stack.py
 
-test: venv model
-	$(PY) -m pytest -q -ra
+# Unit, simulator-integration and real-vLLM end-to-end tests (the e2e module boots a render sidecar
+# and two CPU engines once per session). pytest's exit code 5 ("no tests ran") is a failure.
+test: venv model lint
+	@$(PY) -m pytest -q -ra -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: venv
 	$(PY) -m ruff check .
