@@ -1,7 +1,7 @@
 """Environment and base command lines for real vLLM processes, on CPU and on GPU.
 
 Why this exists: on these CPU machines vLLM only works with a few non-obvious settings (see
-``docs/launchers.md`` and ``/work/shared/docs/running-vllm-on-cpu.md``). Every launcher goes through
+``docs/launchers.md``). Every launcher goes through
 here so that each quirk is handled in exactly one place:
 
 * ``VLLM_TARGET_DEVICE=cpu``: without it vLLM picks the AVX-512-BF16 kernels and dies with

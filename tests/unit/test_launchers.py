@@ -39,7 +39,7 @@ def test_engine_gpu_argv_drops_cpu_only_flags(tmp_path: Path) -> None:
 
 def test_engine_kv_configs_are_passed_as_json(tmp_path: Path) -> None:
     kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}
+          "kv_connector_extra_config": {"shared_storage_path": "kv-store"}}
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
     argv = VllmEngine(tmp_path, cpu=True, kv_transfer_config=kv, kv_events_config=events,
                       extra_args=["--max-num-seqs", "4"]).build_argv()
