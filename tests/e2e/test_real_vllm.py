@@ -190,3 +190,36 @@ def test_bad_input_gets_openai_error(coord: CoordinatorServer, name: str, body: 
     if param is not None:
         assert err["param"] == param
     assert coord.wait_idle() == 0
+
+
+def test_stop_token_ids_and_logprobs_match_native(coord: CoordinatorServer, vllm_stack: VllmStack) -> None:
+    # " Paris" ends the answer when its token id is a stop token; logprobs must resolve identically.
+    ids = httpx.post(f"{vllm_stack.render_url}/tokenize", json={"prompt": " Paris", "add_special_tokens": False},
+                     timeout=30).json()["tokens"]
+    body = chat("What is the capital of France?", stop_token_ids=ids[:1], logprobs=True, top_logprobs=2)
+    native = native_chat(vllm_stack, body)
+    ours = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=120).json()
+    want, got = native["choices"][0], ours["choices"][0]
+    assert (got["finish_reason"], got["stop_reason"]) == (want["finish_reason"], want["stop_reason"]) == (
+        "stop", ids[0])
+    assert got["message"]["content"] == want["message"]["content"]
+    assert ours["usage"] == {**native["usage"], **{k: ours["usage"][k] for k in ("prompt_tokens_details",
+                                                                                   "completion_tokens_details")}}
+    got_lp = [(t["token"], round(t["logprob"], 3), [x["token"] for x in t["top_logprobs"]])
+              for t in got["logprobs"]["content"]]
+    want_lp = [(t["token"], round(t["logprob"], 3), [x["token"] for x in t["top_logprobs"]])
+               for t in want["logprobs"]["content"]]
+    assert got_lp == want_lp and len(got_lp) == ours["usage"]["completion_tokens"]
+
+
+def test_seeded_sampling_with_n_2_matches_native(coord: CoordinatorServer, vllm_stack: VllmStack) -> None:
+    body = chat("Name a color.", temperature=0.8, seed=1234, n=2, max_tokens=16)
+    native = native_chat(vllm_stack, body)
+    ours = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert [c["message"]["content"] for c in ours["choices"]] == [c["message"]["content"] for c in native["choices"]]
+    events = sse_events(httpx.post(f"{coord.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120))
+    texts = streamed_text(events)
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in native["choices"]]
+    roles = [ch["index"] for ev in events if isinstance(ev, dict) for ch in ev["choices"]
+             if (ch.get("delta") or {}).get("role")]
+    assert sorted(roles) == [0, 1], "each choice gets its role exactly once"
