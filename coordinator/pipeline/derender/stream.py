@@ -25,6 +25,7 @@ class ChoiceState:
     stream_state: dict[str, Any] | None = None
     tokens: int = 0                       # output tokens that count for usage
     done: bool = False
+    stopped_early: bool = False           # ended by a stop string while the engine was still generating
     finish_reason: str | None = None
     stop_reason: Any = None
     # Only kept when the caller needs the tokens afterwards (non-streaming requests with stop strings).
@@ -58,9 +59,8 @@ class PromptStream:
             if not choices:
                 continue  # engine usage chunk: usage is recomputed by the session from our own counts
             await self._one(chunk, choices[0], emit)
-            if self.finished and any(c.stop_reason is not None and c.finish_reason == "stop"
-                                     and isinstance(c.stop_reason, str) for c in self.choices.values()):
-                return  # ended by a stop string: leaving closes (aborts) the engine stream
+            if self.finished and any(c.stopped_early for c in self.choices.values()):
+                return  # leaving closes the engine stream, which aborts what it still generates
         # Otherwise the engine's own [DONE] ended the loop: nothing to abort.
 
     async def _one(self, chunk: dict[str, Any], choice: dict[str, Any], emit: Emit) -> None:
@@ -72,7 +72,7 @@ class PromptStream:
         engine_finish = choice.get("finish_reason")
         out_choice = out["choices"][0] if out.get("choices") else None
         stop_hit: str | None = None
-        if out_choice is not None and (self.plan.stop.active or st.matcher.spec.holdback):
+        if out_choice is not None and self.plan.stop.active:
             text = _text_of(self.ctx, out_choice)
             res = st.matcher.feed(text or "", len(new_ids))
             released = res.text
@@ -98,6 +98,7 @@ class PromptStream:
                 st.logprobs.extend(lp["content"])
         if stop_hit is not None:
             st.done, st.finish_reason, st.stop_reason = True, "stop", stop_hit
+            st.stopped_early = engine_finish is None
         elif engine_finish is not None:
             st.done, st.finish_reason, st.stop_reason = True, engine_finish, choice.get("stop_reason")
 
