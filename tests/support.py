@@ -1,69 +1,18 @@
-"""Test helpers: a coordinator served by uvicorn in a thread, and SSE reading."""
+"""Test helpers: the embedded coordinator under its test name, and SSE reading."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from typing import Any
 
 import httpx
-import uvicorn
 
-from coordinator.app import Components, build_app
-from coordinator.config import Settings
+from coordinator.embedded import EmbeddedCoordinator, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["CoordinatorServer", "free_port", "sse_events", "streamed_text"]
 
 
-class CoordinatorServer:
-    """A real coordinator on a real socket (clients disconnect for real, streams are real)."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.port = free_port()
-        self.app = build_app(settings)
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                             lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def components(self) -> Components:
-        c: Components = self.app.state.components
-        return c
-
-    @property
-    def inflight(self) -> int:
-        return self.components.pipeline.inflight
-
-    def __enter__(self) -> CoordinatorServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("coordinator did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-
-    def wait_idle(self, timeout: float = 5.0) -> int:
-        """Wait until nothing is in flight; returns what is left (0 when idle)."""
-        deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self.inflight
+CoordinatorServer = EmbeddedCoordinator
 
 
 def sse_events(resp: httpx.Response) -> list[Any]:

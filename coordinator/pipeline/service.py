@@ -18,6 +18,7 @@ from typing import Any
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.fixups import stops_on_token, tool_call_finish_reason, without_stop_token
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import PromptStream
 from coordinator.pipeline.dispatch import UnionDispatcher
@@ -77,9 +78,25 @@ class Pipeline:
         except BaseExceptionGroup as group:
             raise _first_leaf(group) from None
         responses = [t.result() for t in tasks]
-        out = await self._derender.batch(ctx, responses)
+        counted = sum(len(c.get("token_ids") or []) for r in responses for c in r["choices"])
+        blank: set[int] = set()  # global indexes whose only token was the hidden stop token
+        trimmed = []
+        for plan, resp in zip(ctx.prompts, responses, strict=True):
+            choices = []
+            for c in resp["choices"]:
+                if stops_on_token(c, plan.stop):
+                    if len(c["token_ids"]) == 1:  # derender rejects an empty choice
+                        blank.add(plan.index * plan.n + int(c.get("index", 0)))
+                    else:
+                        c = without_stop_token(c)
+                choices.append(c)
+            trimmed.append({**resp, "choices": choices})
+        out = await self._derender.batch(ctx, trimmed)
         out["id"] = ctx.response_id
-        self._apply_stop_text(ctx, out)
+        self._finish_choices(ctx, out, blank)
+        usage = out.get("usage") or {}
+        usage["completion_tokens"] = counted
+        usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + counted
         return out
 
     async def _collect(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
@@ -102,21 +119,21 @@ class Pipeline:
                 "usage": usage, "output_mode": "tokens", "choices": choices}
 
     @staticmethod
-    def _apply_stop_text(ctx: RequestContext, out: dict[str, Any]) -> None:
-        """Batch derender returns the text of all kept tokens; cut it at the stop string."""
+    def _finish_choices(ctx: RequestContext, out: dict[str, Any], blank: set[int]) -> None:
+        """Cut text at stop strings, blank stop-token-only outputs, fix tool-call finish reasons."""
         by_index = {p.index * p.n + c: p for p in ctx.prompts for c in range(p.n)}
         for choice in out.get("choices", []):
-            plan = by_index.get(int(choice.get("index", 0)))
-            if plan is None or not plan.stop.active or choice.get("stop_reason") is None:
-                continue
-            if not isinstance(choice.get("stop_reason"), str):
-                continue
+            index = int(choice.get("index", 0))
+            plan = by_index.get(index)
+            holder, key = (choice.get("message") or {}, "content") if ctx.kind == "chat" else (choice, "text")
+            if index in blank:
+                holder[key] = ""
+            elif (plan is not None and isinstance(choice.get("stop_reason"), str)
+                  and isinstance(holder.get(key), str)):
+                # Batch derender returns the text of all kept tokens; the stop string ends it.
+                holder[key] = truncate_at_stop(holder[key], plan.stop)[0]
             if ctx.kind == "chat":
-                msg = choice.get("message") or {}
-                if isinstance(msg.get("content"), str):
-                    msg["content"] = truncate_at_stop(msg["content"], plan.stop)[0]
-            elif isinstance(choice.get("text"), str):
-                choice["text"] = truncate_at_stop(choice["text"], plan.stop)[0]
+                tool_call_finish_reason(choice, ctx.body.get("tool_choice"))
 
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession:

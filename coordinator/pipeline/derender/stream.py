@@ -14,6 +14,7 @@ from typing import Any
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.fixups import compact_tool_call_deltas, stops_on_token, without_stop_token
 from coordinator.pipeline.derender.stop import StopMatcher
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
@@ -68,6 +69,8 @@ class PromptStream:
         if st is None or st.done:
             return  # a choice already ended by a stop string keeps generating until its siblings end
         new_ids: list[int] = choice.get("token_ids") or []
+        if stops_on_token(choice, self.plan.stop):
+            chunk = {**chunk, "choices": [without_stop_token(choice)]}
         out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state)
         engine_finish = choice.get("finish_reason")
         out_choice = out["choices"][0] if out.get("choices") else None
@@ -85,6 +88,8 @@ class PromptStream:
                 out_choice["stop_reason"] = stop_hit
         if out_choice is not None:
             out_choice["index"] = self.plan.index * self.plan.n + int(out_choice.get("index", 0))
+            if self.ctx.kind == "chat":
+                compact_tool_call_deltas(out_choice)
         out["id"] = self.ctx.response_id
         out["created"] = self.ctx.created
         await emit(out)

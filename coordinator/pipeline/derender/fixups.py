@@ -1,0 +1,55 @@
+"""Where vLLM's derender output differs from native ``vllm serve``, the coordinator corrects it here.
+
+Each correction names the native behaviour it restores (vLLM 0.32 source):
+
+* **The stopping token is not text.** The native detokenizer skips the token that ended generation
+  (EOS or a ``stop_token_ids`` entry) unless ``include_stop_str_in_output``
+  (``v1/engine/detokenizer.py``, ``update``). Derender decodes every id it is given, and with a
+  parser configured it keeps special tokens, so ``<|im_end|>`` or a stop token's text would leak into
+  the content. The token still counts in usage and keeps its logprobs entry, as natively.
+* **Tool calls finish with ``tool_calls``.** Native chat serving reports ``finish_reason:
+  "tool_calls"`` when the auto tool parser found calls (or ``tool_choice: "required"`` ended
+  normally); batch derender passes the engine's ``"stop"`` through.
+* **Tool-call deltas carry only what is set.** Native chunks are written with
+  ``exclude_unset``; derender's chunks have explicit ``null`` for ``id``/``type``/``name`` after the
+  first fragment, which the OpenAI SDK's stream helper then copies over the real values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.pipeline.derender.stop import StopSpec
+
+
+def stops_on_token(choice: dict[str, Any], spec: StopSpec) -> bool:
+    """The engine choice ended on a stop token (EOS or ``stop_token_ids``) whose text must be hidden."""
+    return (choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str)
+            and not spec.include_in_output and bool(choice.get("token_ids")))
+
+
+def without_stop_token(choice: dict[str, Any]) -> dict[str, Any]:
+    return {**choice, "token_ids": list(choice["token_ids"])[:-1]}
+
+
+def tool_call_finish_reason(choice: dict[str, Any], tool_choice: Any) -> None:
+    """Batch chat choice: ``finish_reason`` as native serving reports it when tools were called."""
+    msg = choice.get("message") or {}
+    if not msg.get("tool_calls") or isinstance(tool_choice, dict):
+        return  # a named tool choice keeps the engine's reason natively as well
+    if tool_choice in (None, "auto") or (tool_choice == "required" and choice.get("finish_reason") == "stop"):
+        choice["finish_reason"] = "tool_calls"
+
+
+def compact_tool_call_deltas(choice: dict[str, Any]) -> None:
+    """Streamed chat choice: drop ``null`` members of tool-call deltas (only when there are any)."""
+    calls = (choice.get("delta") or {}).get("tool_calls")
+    if not calls:
+        return
+    for call in calls:
+        for key in [k for k, v in call.items() if v is None]:
+            del call[key]
+        fn = call.get("function")
+        if isinstance(fn, dict):
+            for key in [k for k, v in fn.items() if v is None]:
+                del fn[key]
