@@ -42,6 +42,7 @@ class RequestContext:
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: list[PromptPlan] = field(default_factory=list)
+    derender_request: dict[str, Any] = field(default_factory=dict)  # see derender.client.request_view
 
     @property
     def response_id(self) -> str:

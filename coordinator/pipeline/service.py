@@ -17,7 +17,7 @@ from typing import Any
 
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
-from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.client import Derenderer, request_view
 from coordinator.pipeline.derender.fixups import stops_on_token, tool_call_finish_reason, without_stop_token
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import PromptStream
@@ -66,6 +66,7 @@ class Pipeline:
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage)
         await self._render(ctx, entry)
+        ctx.derender_request = request_view(ctx)
         return ctx
 
     # -- non-streaming -------------------------------------------------------------------------

@@ -13,6 +13,18 @@ from coordinator.pipeline.sidecar import SidecarClient
 _SEED_SUFFIX = 8
 
 
+def request_view(ctx: RequestContext) -> dict[str, Any]:
+    """The client request as derender needs it: every option, but not the conversation or prompt.
+
+    Derender reads options (``skip_special_tokens``, ``tools``, ``tool_choice``, ``include_reasoning``,
+    ``return_token_ids``, ``chat_template_kwargs``, ...) and never the messages; sending a one-message
+    stub instead keeps each per-chunk call small however long the conversation is.
+    """
+    if ctx.kind == "chat":
+        return {**ctx.body, "messages": [{"role": "user", "content": ""}]}
+    return {**ctx.body, "prompt": "-"}  # must be non-empty to validate
+
+
 class Derenderer:
     def __init__(self, sidecar: SidecarClient, *, parsers: bool) -> None:
         self._sidecar = sidecar
@@ -30,10 +42,10 @@ class Derenderer:
                                 "stream_state": state, "prompt_tokens": plan.prompt_tokens,
                                 "prompt_token_ids": seed}
         if ctx.kind == "chat":
-            body["chat_request"] = ctx.body
+            body["chat_request"] = ctx.derender_request
             path = "/v1/chat/completions/derender"
         else:
-            body["completion_request"] = ctx.body
+            body["completion_request"] = ctx.derender_request
             path = "/v1/completions/derender"
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
@@ -46,13 +58,14 @@ class Derenderer:
             plan = ctx.prompts[0]
             body: dict[str, Any] = {"model": ctx.model, "generate_response": responses[0],
                                     "prompt_tokens": plan.prompt_tokens,
-                                    "prompt_token_ids": plan.prompt_token_ids, "chat_request": ctx.body}
+                                    "prompt_token_ids": plan.prompt_token_ids,
+                                    "chat_request": ctx.derender_request}
             path = "/v1/chat/completions/derender"
         else:
             body = {"model": ctx.model, "generate_responses": responses,
                     "prompt_tokens": [p.prompt_tokens for p in ctx.prompts],
                     "prompt_token_ids": [p.prompt_token_ids for p in ctx.prompts],
-                    "completion_request": ctx.body}
+                    "completion_request": ctx.derender_request}
             path = "/v1/completions/derender"
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
