@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 
 class Metrics:
@@ -13,7 +13,5 @@ class Metrics:
         self.inflight = Gauge("coordinator_inflight_requests", "Client requests currently in flight",
                               registry=self.registry)
         self.inflight.set_function(inflight)
-        self.requests = Counter("coordinator_requests", "Finished client requests",
-                                ["endpoint", "stream", "status"], registry=self.registry)
         self.engine_inflight = Gauge("coordinator_engine_inflight_requests",
                                      "Requests in flight per engine", ["engine"], registry=self.registry)
