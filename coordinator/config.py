@@ -27,7 +27,6 @@ class ServerSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
     api_keys: list[SecretStr] = Field(
         default_factory=list, description="Bearer keys accepted from clients; empty = no auth"
     )

@@ -26,7 +26,8 @@ class UnionDispatcher:
 
     @staticmethod
     def attempt_id(plan: PromptPlan) -> str:
-        """Unique per attempt even when clients reuse an X-Request-Id (abort matches by id prefix-free)."""
+        """Unique per attempt even when clients reuse an X-Request-Id: vLLM aborts *every* request sharing
+        an external id, so two clients must never share one."""
         return f"{plan.generate['request_id']}-{secrets.token_hex(3)}"
 
     @contextlib.contextmanager

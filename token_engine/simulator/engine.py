@@ -156,20 +156,15 @@ class SimEngine:
         """Engine-side rejections in the order of vLLM's InputProcessor: params, prompt length, max_tokens."""
         cfg, sp = self.config, req.params
         max_allowed = cfg.vocab_size if cfg.max_logprobs == -1 else cfg.max_logprobs
-        if sp.logprobs:
-            num = cfg.vocab_size if sp.logprobs == -1 else sp.logprobs
+        for kind, param, asked in (("sample", "logprobs", sp.logprobs),
+                                   ("prompt", "prompt_logprobs", sp.prompt_logprobs)):
+            if not asked:
+                continue
+            num = cfg.vocab_size if asked == -1 else asked
             if num > max_allowed:
                 raise SimValidationError(
-                    f"Requested sample logprobs of {num}, which is greater than max allowed: {max_allowed}",
-                    "logprobs",
-                    num,
-                )
-        if sp.prompt_logprobs:
-            num = cfg.vocab_size if sp.prompt_logprobs == -1 else sp.prompt_logprobs
-            if num > max_allowed:
-                raise SimValidationError(
-                    f"Requested prompt logprobs of {num}, which is greater than max allowed: {max_allowed}",
-                    "prompt_logprobs",
+                    f"Requested {kind} logprobs of {num}, which is greater than max allowed: {max_allowed}",
+                    param,
                     num,
                 )
         bad = [t for t in sp.stop_token_ids or [] if t < 0 or t >= cfg.vocab_size]

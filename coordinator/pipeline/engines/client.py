@@ -20,7 +20,6 @@ from httpx_sse import EventSource
 from coordinator.config import EngineClientSettings
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
-    PipelineError,
     UpstreamClientError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -161,5 +160,3 @@ def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
         raise UpstreamClientError(status, data, "engine does not serve this model")
     raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status}")
 
-
-__all__ = ["EngineClient", "EngineStreamError", "PipelineError", "engine_request_id"]

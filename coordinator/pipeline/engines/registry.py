@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -23,7 +23,6 @@ class Engine:
     healthy: bool = True          # optimistic until the first probe says otherwise
     inflight_requests: int = 0
     inflight_tokens: int = 0
-    consecutive_failures: int = field(default=0, repr=False)
 
     def serves(self, model: str) -> bool:
         return self.model is None or self.model == model
