@@ -5,27 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.api.admin import build_admin_router
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
 from coordinator.config import Settings
 from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.budget import TokenLedger
+from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
-from coordinator.pipeline.dispatch import UnionDispatcher
 from coordinator.pipeline.engines.client import EngineClient
-from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.render import RenderStage
-from coordinator.pipeline.scheduling.picker import LeastLoadPicker
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
+from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.topology.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +43,77 @@ class Components:
     sidecar: SidecarClient
     engines: EngineClient
     registry: EngineRegistry
+    ledger: TokenLedger
+    admission: AdmissionController
+    scheduler: Scheduler
+    precise: PreciseIndexSource | None
     pipeline: Pipeline
     metrics: Metrics
 
 
 def build_components(settings: Settings) -> Components:
+    pipeline_ref: list[Pipeline] = []
+    metrics = Metrics(lambda: pipeline_ref[0].inflight if pipeline_ref else 0)
     sidecar = SidecarClient(settings.render)
     engines = EngineClient(settings.engine_client)
-    registry = EngineRegistry(settings.engines, engines.http, settings.engine_client.health_interval_s)
+    registry = EngineRegistry(settings, engines.http, metrics)
+    adm = settings.admission
+    ledger = TokenLedger(adm.global_tokens if adm.enabled else None)
+    admission = AdmissionController(adm, ledger, metrics)
+    prefix = settings.scheduling.prefix
+    index: PrefixIndex | None = None
+    if prefix.source == "approximate":
+        index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
+    elif prefix.source == "precise":
+        index = PrefixIndex()
+    profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
+    scheduler = Scheduler(registry, profile, index=index, block_size=prefix.block_size,
+                          learn=prefix.source == "approximate", topology=settings.topology, metrics=metrics)
+    precise = None
+    if prefix.source == "precise" and index is not None:
+        precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
+                                     prefix.block_size)
+
+    pending: set[asyncio.Task[object]] = set()
+
+    def background(work: Coroutine[object, object, object]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    def on_engine(event: str, engine: Engine) -> None:
+        """Engines come and go (config, discovery): keep the index and its event feeds in step."""
+        if event == "removed":
+            scheduler.forget(engine.url)
+            if precise is not None:
+                background(precise.detach(engine.url))
+        elif event == "added" and precise is not None and engine.kv_events:
+            background(precise.attach(engine.url, engine.kv_events,
+                                      _engine_model(settings, registry, engine.url)))
+        admission.wake()
+
+    registry.add_listener(on_engine)
     catalog = ModelCatalog(settings.models, sidecar)
     pipeline = Pipeline(
         catalog=catalog,
         render=RenderStage(sidecar, catalog),
-        dispatcher=UnionDispatcher(engines, registry, LeastLoadPicker(registry)),
+        dispatcher=Dispatcher(engines, registry, scheduler, admission, settings.resilience,
+                              settings.topology, metrics),
         derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
         strict=settings.server.request_mode == "strict",
         queue_chunks=settings.stream.queue_chunks,
     )
-    metrics = Metrics(lambda: pipeline.inflight)
-    return Components(settings, sidecar, engines, registry, pipeline, metrics)
+    pipeline_ref.append(pipeline)
+    return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
+                      pipeline, metrics)
+
+
+def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
+    """The model whose hash space an engine's KV events belong to (its own, else the first served)."""
+    engine = registry.get(url)
+    if engine is not None and engine.model:
+        return engine.model
+    return settings.models[0].name
 
 
 def build_app(settings: Settings) -> FastAPI:
@@ -64,12 +121,19 @@ def build_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if c.precise is not None:
+            for e in c.registry.engines:
+                if e.kv_events:
+                    await c.precise.attach(e.url, e.kv_events, _engine_model(c.settings, c.registry, e.url))
         await c.registry.start()
         sync = asyncio.create_task(_sync_catalog(c))
         try:
             yield
         finally:
             sync.cancel()
+            if c.precise is not None:
+                await c.precise.stop_all()
+            await c.admission.close()
             await c.registry.stop()
             await c.engines.aclose()
             await c.sidecar.aclose()
@@ -77,8 +141,10 @@ def build_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="LLM coordinator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.components = c
     install_handlers(app)
-    app.include_router(build_router(c.pipeline, ApiKeyCheck(settings.server.api_keys),
-                                    settings.server.max_body_bytes))
+    auth = ApiKeyCheck(settings.server.api_keys)
+    app.include_router(build_router(c.pipeline, auth, settings.server.max_body_bytes,
+                                    settings.admission.priority_header))
+    app.include_router(build_admin_router(c.registry, c.admission, auth))
 
     @app.get("/health")
     async def health() -> Response:
@@ -87,16 +153,16 @@ def build_app(settings: Settings) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         sidecar_ok = await c.sidecar.healthy()
-        engines = {e.url: e.healthy for e in c.registry.engines}
-        ok = sidecar_ok and any(engines.values())
+        engines = {e.url: e.state for e in c.registry.engines}
+        ok = sidecar_ok and c.registry.any_healthy()
         return JSONResponse({"ready": ok, "render": sidecar_ok, "engines": engines,
-                             "inflight": c.pipeline.inflight}, status_code=200 if ok else 503)
+                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length},
+                            status_code=200 if ok else 503)
 
     if settings.server.metrics:
         @app.get("/metrics")
         async def metrics() -> Response:
-            for e in c.registry.engines:
-                c.metrics.engine_inflight.labels(e.url).set(e.inflight_requests)
+            c.registry.export_metrics()
             return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

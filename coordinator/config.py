@@ -60,6 +60,113 @@ class EngineSettings(BaseModel):
     role: EngineRole = "union"
     model: str | None = Field(default=None, description="served model name; None = any configured model")
     weight: float = Field(default=1.0, gt=0)
+    max_inflight_tokens: int | None = Field(
+        default=None, ge=1, description="token budget (prompt + max_tokens of admitted requests); "
+        "None = admission.engine_tokens * weight",
+    )
+    kv_events: str | None = Field(
+        default=None, description="ZMQ endpoint where the engine publishes KV cache events "
+        "(precise prefix index); e.g. tcp://engine-0:5557",
+    )
+    drain: bool = Field(default=False, description="take no new requests; in-flight ones finish")
+
+
+class DiscoverySettings(BaseModel):
+    """Engines found by resolving a DNS name (a Kubernetes headless Service), merged with ``engines``."""
+
+    dns_name: str | None = Field(default=None, description="e.g. vllm-engines.default.svc.cluster.local")
+    port: int = Field(default=8000, ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    role: EngineRole = "union"
+    model: str | None = None
+    kv_events_port: int | None = Field(
+        default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
+    )
+    interval_s: float = Field(default=10.0, gt=0)
+
+
+class AdmissionSettings(BaseModel):
+    """Token-based flow control in front of the engines (see docs/scheduling.md)."""
+
+    enabled: bool = True
+    engine_tokens: int = Field(
+        default=131072, ge=1, description="default per-engine budget of in-flight tokens (times weight)"
+    )
+    global_tokens: int | None = Field(
+        default=None, ge=1,
+        description="budget over all engines; None = no global cap (the per-engine budgets still apply)"
+    )
+    max_queue: int = Field(default=1024, ge=0, description="requests allowed to wait; beyond → 429")
+    queue_timeout_s: float = Field(default=60.0, gt=0, description="longest wait before a 503")
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After sent with 429/503")
+    priority_header: str = Field(
+        default="x-request-priority", description="integer priority when the body has no `priority`"
+    )
+    max_waiting_per_engine: int | None = Field(
+        default=None, ge=0, description="skip engines whose /metrics report more waiting requests",
+    )
+
+
+class PrefixIndexSettings(BaseModel):
+    """Which prompt prefixes each engine holds, for KV-affinity."""
+
+    source: Literal["none", "approximate", "precise"] = Field(
+        default="approximate",
+        description="approximate: learned from our own routing; precise: engines' KV events over ZMQ",
+    )
+    block_size: int = Field(default=16, ge=1, description="must equal the engines' KV block size")
+    capacity_blocks: int = Field(default=200_000, ge=1, description="approximate: blocks kept per engine")
+    ttl_s: float = Field(default=900.0, gt=0, description="approximate: forget blocks not used for this long")
+
+
+ScorerName = Literal["prefix", "load", "queue", "kv_usage"]
+
+
+class ScorerSettings(BaseModel):
+    name: ScorerName
+    weight: float = Field(default=1.0, ge=0)
+
+
+class SchedulingSettings(BaseModel):
+    """Filters → scorers → picker. ``policy`` picks a preset; ``custom`` uses ``scorers``/``picker``."""
+
+    policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = "affinity"
+    scorers: list[ScorerSettings] = Field(
+        default_factory=lambda: [ScorerSettings(name="prefix", weight=2.0), ScorerSettings(name="load")],
+        description="policy custom only",
+    )
+    picker: Literal["max_score", "round_robin", "random"] = Field(default="max_score",
+                                                                    description="policy custom only")
+    prefix: PrefixIndexSettings = Field(default_factory=PrefixIndexSettings)
+
+
+class TopologySettings(BaseModel):
+    """Union (one engine per request) or Handoff (prefill engine → decode engine)."""
+
+    mode: Literal["auto", "union", "handoff"] = Field(
+        default="auto", description="auto: handoff when prefill and decode engines are configured"
+    )
+    pd_min_uncached_tokens: int = Field(
+        default=256, ge=0, description="prefill remotely only when this many prompt tokens are not "
+        "already cached on the chosen decode engine",
+    )
+    prefill_kv_transfer_params: dict[str, Any] = Field(
+        default_factory=lambda: {"do_remote_decode": True, "do_remote_prefill": False,
+                                 "remote_engine_id": None, "remote_block_ids": None,
+                                 "remote_host": None, "remote_port": None},
+        description="sent on the prefill leg (NixlConnector convention)",
+    )
+
+
+class ResilienceSettings(BaseModel):
+    """Retries before the first client byte, and one circuit breaker per engine."""
+
+    retries: int = Field(default=2, ge=0, description="extra attempts, each on another engine")
+    backoff_initial_s: float = Field(default=0.02, ge=0)
+    backoff_max_s: float = Field(default=0.5, ge=0)
+    breaker_failures: int = Field(default=3, ge=1, description="consecutive failures that open a breaker")
+    breaker_cooldown_s: float = Field(default=10.0, gt=0, description="open time before a half-open probe")
+    telemetry: bool = Field(default=True, description="scrape engines' /metrics with each health probe")
 
 
 class ModelSettings(BaseModel):
@@ -103,6 +210,11 @@ class Settings(BaseSettings):
     render: RenderSettings = Field(default_factory=RenderSettings)
     engine_client: EngineClientSettings = Field(default_factory=EngineClientSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
+    topology: TopologySettings = Field(default_factory=TopologySettings)
+    resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     engines: list[EngineSettings] = Field(
         default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")]
     )

@@ -26,6 +26,8 @@ class VllmStack:
     render: Any
     engine: Any          # --tokens-only: what the coordinator uses
     native: Any          # --enable-scale-out: the native OpenAI reference on the same model
+    engine2: Any         # a second --tokens-only engine (routing between two real engines)
+    kv_events: dict[str, str]  # engine url → ZMQ endpoint its KV events are published on
 
     @property
     def render_url(self) -> str:
@@ -71,19 +73,31 @@ def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) 
     """
     from token_engine.launch import VllmEngine
 
+    events = [free_port(), free_port()]
+
+    def kv_events(port: int) -> dict[str, Any]:
+        # "tcp://*:PORT": the engine binds and subscribers connect (vLLM's publisher rule).
+        return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                "topic": "kv"}
+
     engine = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
-                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "engine.log", echo=_echo())
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "engine.log", echo=_echo(),
+                        kv_events_config=kv_events(events[0]))
+    engine2 = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
+                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "engine2.log", echo=_echo(),
+                         kv_events_config=kv_events(events[1]), name="engine2")
     native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "native.log", echo=_echo(),
                         name="native")
-    engines = [engine, native]
+    engines = [engine, engine2, native]
     try:
         for e in engines:
             e.start()
         render = request.getfixturevalue("render_sidecar")
         for e in engines:
             e.wait_ready(timeout=600)
-        yield VllmStack(render, engine, native)
+        yield VllmStack(render, engine, native, engine2,
+                        {engine.url: f"tcp://127.0.0.1:{events[0]}", engine2.url: f"tcp://127.0.0.1:{events[1]}"})
     finally:
         for e in engines:
             e.stop()

@@ -1,17 +1,62 @@
-"""Prometheus collectors of the coordinator (exposed on /metrics unless switched off)."""
+"""Prometheus collectors of the coordinator (exposed on /metrics unless switched off).
+
+One object, built once per app and handed to the stages that count things, so tests can read the
+values of their own coordinator (no process-global registry).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self, inflight: Callable[[], float]) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, inflight: Callable[[], float] = lambda: 0.0) -> None:
+        r = self.registry = CollectorRegistry()
         self.inflight = Gauge("coordinator_inflight_requests", "Client requests currently in flight",
-                              registry=self.registry)
+                              registry=r)
         self.inflight.set_function(inflight)
-        self.engine_inflight = Gauge("coordinator_engine_inflight_requests",
-                                     "Requests in flight per engine", ["engine"], registry=self.registry)
+        # --- admission ---
+        self.queue_length = Gauge("coordinator_queue_length", "Requests waiting for admission", registry=r)
+        self.queue_wait = Histogram("coordinator_queue_wait_seconds", "Time from arrival to admission",
+                                    buckets=_WAIT_BUCKETS, registry=r)
+        self.admitted = Counter("coordinator_admitted", "Engine requests admitted", registry=r)
+        self.rejected = Counter("coordinator_rejected", "Engine requests refused by admission",
+                                ["reason"], registry=r)
+        self.global_inflight_tokens = Gauge("coordinator_inflight_tokens",
+                                            "Tokens (prompt + max_tokens) admitted and not yet released",
+                                            registry=r)
+        # --- engines ---
+        self.engine_inflight = Gauge("coordinator_engine_inflight_requests", "Requests in flight per engine",
+                                     ["engine"], registry=r)
+        self.engine_inflight_tokens = Gauge("coordinator_engine_inflight_tokens",
+                                            "Tokens in flight per engine", ["engine"], registry=r)
+        self.engine_state = Gauge("coordinator_engine_state",
+                                  "1 for the engine's current state (healthy, unhealthy, draining)",
+                                  ["engine", "state"], registry=r)
+        self.breaker_state = Gauge("coordinator_breaker_state",
+                                   "Circuit breaker: 0 closed, 1 half-open, 2 open", ["engine"], registry=r)
+        self.engine_failures = Counter("coordinator_engine_failures", "Failed engine calls", ["engine"],
+                                       registry=r)
+        self.retries = Counter("coordinator_retries", "Engine requests retried on another engine",
+                               registry=r)
+        # --- scheduling ---
+        self.decisions = Counter("coordinator_scheduling_decisions", "Engines picked, by policy",
+                                 ["policy", "engine"], registry=r)
+        self.prefix_query_tokens = Counter("coordinator_prefix_query_tokens",
+                                           "Prompt tokens looked up in the prefix index", registry=r)
+        self.prefix_hit_tokens = Counter("coordinator_prefix_hit_tokens",
+                                         "Prompt tokens the picked engine already holds (per the index)",
+                                         registry=r)
+        self.prefix_hit_ratio = Gauge("coordinator_prefix_hit_ratio",
+                                      "prefix_hit_tokens / prefix_query_tokens since start", registry=r)
+        self.prefix_hit_ratio.set_function(self._hit_ratio)
+        self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
+                                ["path"], registry=r)
+
+    def _hit_ratio(self) -> float:
+        q = self.prefix_query_tokens._value.get()
+        return float(self.prefix_hit_tokens._value.get() / q) if q else 0.0

@@ -40,6 +40,7 @@ class RequestContext:
     model: str                        # served model name
     stream: bool
     include_usage: bool
+    priority: int = 0                 # admission order: lower = sooner (vLLM's convention)
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: list[PromptPlan] = field(default_factory=list)
     derender_request: dict[str, Any] = field(default_factory=dict)  # see derender.client.request_view

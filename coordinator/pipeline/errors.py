@@ -14,6 +14,7 @@ class PipelineError(Exception):
 
     status: int = 500
     type: str = "InternalServerError"
+    retry_after: int | None = None  # seconds; front doors send it as ``Retry-After``
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None,
                  type: str | None = None) -> None:
@@ -64,6 +65,28 @@ class UpstreamClientError(PipelineError):
 class NoHealthyEngine(PipelineError):
     status = 503
     type = "ServiceUnavailableError"
+
+
+class Overloaded(PipelineError):
+    """Admission refused the request; the client should come back after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, status: int, type: str, retry_after: int) -> None:
+        super().__init__(message, status=status, type=type)
+        self.retry_after = retry_after
+
+
+class QueueFull(Overloaded):
+    """429: the waiting queue is full (OpenAI's rate-limit status, which SDKs retry with backoff)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, status=429, type="RateLimitError", retry_after=retry_after)
+
+
+class QueueTimeout(Overloaded):
+    """503: the request waited ``queue_timeout_s`` without capacity freeing up."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, status=503, type="ServiceUnavailableError", retry_after=retry_after)
 
 
 class UpstreamUnavailable(PipelineError):

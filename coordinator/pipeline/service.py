@@ -21,8 +21,9 @@ from coordinator.pipeline.derender.client import Derenderer, request_view
 from coordinator.pipeline.derender.fixups import stops_on_token, tool_call_finish_reason, without_stop_token
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import PromptStream
-from coordinator.pipeline.dispatch import UnionDispatcher
+from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class _Finished:
 
 
 class Pipeline:
-    def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: UnionDispatcher,
+    def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
                  derenderer: Derenderer, strict: bool, queue_chunks: int) -> None:
         self.catalog = catalog
         self._render = render
@@ -56,15 +57,19 @@ class Pipeline:
         finally:
             self.inflight -= 1
 
-    async def begin(self, kind: Kind, body: Any, request_id: str | None) -> RequestContext:
-        """Validate and render; after this the prompt token ids are known."""
+    async def begin(self, kind: Kind, body: Any, request_id: str | None,
+                    priority: str | None = None) -> RequestContext:
+        """Validate and render; after this the prompt token ids are known.
+
+        ``priority`` is the priority header's value, used when the body has no ``priority``."""
         body = validate_request(kind, body, strict=self._strict)
         entry = self.catalog.resolve(body.get("model"))
         body = {**body, "model": entry.name}
         stream = bool(body.get("stream"))
         include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
-                             model=entry.name, stream=stream, include_usage=include_usage)
+                             model=entry.name, stream=stream, include_usage=include_usage,
+                             priority=_priority(body, priority))
         await self._render(ctx, entry)
         ctx.derender_request = request_view(ctx)
         return ctx
@@ -148,6 +153,17 @@ class Pipeline:
         return session
 
 
+def _priority(body: dict[str, Any], header: str | None) -> int:
+    if body.get("priority") is not None:
+        return int(body["priority"])  # validated as an integer
+    if header is None or not header.strip():
+        return 0
+    try:
+        return int(header)
+    except ValueError:
+        raise BadRequest(f"The priority header must be an integer, got {header!r}") from None
+
+
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
@@ -158,7 +174,7 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 class StreamSession:
     """All engine streams of one request, merged into one chunk sequence through a bounded queue."""
 
-    def __init__(self, ctx: RequestContext, dispatch: UnionDispatcher, derenderer: Derenderer,
+    def __init__(self, ctx: RequestContext, dispatch: Dispatcher, derenderer: Derenderer,
                  queue_chunks: int) -> None:
         self.ctx = ctx
         self._dispatch = dispatch

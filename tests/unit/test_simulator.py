@@ -518,7 +518,9 @@ async def test_prefill_role_returns_nixl_kv_transfer_params() -> None:
             ),
         )
         params = r.json()["kv_transfer_params"]
-        assert list(params) == NIXL_KEYS
+        # vLLM's scheduler appends the P side's cache hits when the leg finishes on its first token.
+        assert list(params) == [*NIXL_KEYS, "remote_prefill_cached_tokens"]
+        assert params["remote_prefill_cached_tokens"] == 0
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert re.fullmatch(r"generate-tokens-r1-[0-9a-f]{8}", params["remote_request_id"])
         assert params["remote_engine_id"] == "P0" and params["remote_num_tokens"] == 10
@@ -528,6 +530,9 @@ async def test_prefill_role_returns_nixl_kv_transfer_params() -> None:
             5600,
             "pull",
         )
+        # A leg that runs past its first token no longer has prefill stats to report.
+        r = await c.post(GEN, json=body(sampling_params={"max_tokens": 2}, kv_transfer_params=P_LEG))
+        assert list(r.json()["kv_transfer_params"]) == NIXL_KEYS
         # render puts client params into extra_args; they count when there is no top-level value...
         sp = {"max_tokens": 1, "extra_args": {"kv_transfer_params": P_LEG}}
         assert (await c.post(GEN, json=body(sampling_params=sp))).json()["kv_transfer_params"] is not None

@@ -20,6 +20,24 @@ def _int_list(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
+def _kv_events_config(text: str) -> dict[str, Any]:
+    """vLLM's `--kv-events-config` JSON as SimConfig fields (vLLM's defaults for keys left out)."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("--kv-events-config must be a JSON object")
+    enabled = bool(raw.get("enable_kv_cache_events", False))
+    publisher = raw.get("publisher") or ("zmq" if enabled else "null")
+    if not enabled or publisher == "null":
+        return {"kv_events_endpoint": None}
+    if publisher != "zmq":
+        raise argparse.ArgumentTypeError(f"unknown KV event publisher {publisher!r}")
+    return {
+        "kv_events_endpoint": raw.get("endpoint", "tcp://*:5557"),
+        "kv_events_topic": raw.get("topic", ""),
+        "kv_events_replay_endpoint": raw.get("replay_endpoint"),
+    }
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, SimConfig]:
     p = argparse.ArgumentParser(prog="python -m token_engine.simulator", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -41,6 +59,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_concurrency", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help='vLLM\'s flag, e.g. \'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
+        '"topic":"kv"}\'',
+    )
+    p.add_argument("--kv-lease-s", type=float, default=None, help="NixlConnector kv_lease_duration")
+    p.add_argument(
+        "--advertise-peer-url",
+        action="store_true",
+        default=None,
+        help="add sim_peer_url to prefill kv_transfer_params (decode simulators then release blocks)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--config-json", default=None, help="SimConfig as JSON (flags override it)")
@@ -64,8 +96,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "capacity_blocks": args.capacity_blocks,
         "api_key": args.api_key,
         "seed": args.seed,
+        "kv_lease_s": args.kv_lease_s,
+        "advertise_peer_url": args.advertise_peer_url,
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
+    if args.kv_events_config is not None:
+        base.update(args.kv_events_config)
     if args.max_concurrency is not None:
         base.setdefault("max_num_seqs", args.max_concurrency)
     return args, SimConfig(**base)

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ from .errors import (
     validate_json_request,
 )
 from .faults import SimFaults
+from .kv_events import ZmqEventPublisher
 from .metrics import CONTENT_TYPE, build_registry, render
 from .protocol import (
     GenerateLogProbs,
@@ -140,7 +142,14 @@ class SimServer:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.engine = SimEngine(config)
+        self.kv_events: ZmqEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv_events = ZmqEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic,
+                replay_endpoint=config.kv_events_replay_endpoint,
+            )
+        self.engine = SimEngine(config, self.kv_events.publish if self.kv_events else None)
         self.faults = SimFaults()
         self.registry = build_registry(self.engine)
         self.generate_calls = 0
@@ -213,6 +222,7 @@ class SimServer:
             priority=request.priority,
             kv_transfer_params=kv_params,
             error_after_tokens=call_faults.error_after_tokens if call_faults else None,
+            peer_url=str(raw.base_url).rstrip("/"),
         )
         if request.stream:
             return StreamingResponse(
@@ -352,6 +362,23 @@ class SimServer:
         self.engine.abort(request_ids)
         return Response(status_code=200)
 
+    async def consume_transfer(self, raw: Request) -> JSONResponse:
+        """`POST /sim/kv_transfer/consume {"remote_request_id": ...}`: a decode engine pulled the blocks."""
+        try:
+            body = await raw.json()
+        except json.JSONDecodeError as e:
+            raise HTTPException(status_code=400, detail=f"JSON decode error: {e}") from e
+        rid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise HTTPException(status_code=400, detail="Missing 'remote_request_id' in request body")
+        pinned = self.engine.transfers.consume(rid)
+        return JSONResponse({"released": pinned is not None, "blocks": pinned.blocks if pinned else 0})
+
+    def close(self) -> None:
+        """Stop the KV event publisher (frees its port); the HTTP side needs no cleanup."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+
     def models(self) -> ModelList:
         cfg = self.config
         return ModelList(
@@ -377,8 +404,22 @@ class SimServer:
             "generate_calls": self.generate_calls,
             "prefix_cache": {
                 "blocks": len(eng.prefix_cache),
+                "capacity_blocks": eng.prefix_cache.capacity_blocks,
                 "queries": eng.prefix_cache.stats.queries,
                 "hits": eng.prefix_cache.stats.hits,
+                "evictions": eng.prefix_cache.stats.evictions,
+            },
+            "pinned_transfers": eng.transfers.snapshot(),
+            "kv_transfer_pinned_blocks": eng.transfers.pinned_blocks,
+            "kv_transfer_released": dict(eng.transfers.released),
+            "kv_events": None
+            if self.kv_events is None
+            else {
+                "endpoint": self.kv_events.endpoint,
+                "replay_endpoint": self.kv_events.replay_endpoint,
+                "topic": self.kv_events.topic,
+                "published": self.kv_events.published,
+                "dropped": self.kv_events.dropped,
             },
         }
 
@@ -387,7 +428,13 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
     """A FastAPI app that behaves like `vllm serve --tokens-only` for the scale-out routes."""
     cfg = config or SimConfig()
     server = SimServer(cfg)
-    app = FastAPI(title="simulated vLLM token-only engine")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    app = FastAPI(title="simulated vLLM token-only engine", lifespan=lifespan)
     app.state.sim = server
     install_exception_handlers(app)
     _install_log_filter()
@@ -432,6 +479,9 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
     async def clear_faults() -> JSONResponse:
         server.faults = SimFaults()
         return JSONResponse(server.faults.model_dump())
+
+    consume_handler: Callable[[Request], Awaitable[JSONResponse]] = server.consume_transfer
+    app.add_api_route("/sim/kv_transfer/consume", consume_handler, methods=["POST"])
 
     @app.post("/sim/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -82,12 +82,32 @@ class SimConfig(BaseModel):
     enable_prompt_tokens_details: bool = False
     """vLLM's `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens`."""
 
+    # --- KV cache events (vLLM's --kv-events-config) ---
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB endpoint for vLLM-format KV events; None publishes nothing. `tcp://*:PORT` (anything with
+    `*` or `::`, or ipc/inproc) is bound, `tcp://host:PORT` is connected to. `tcp://*:0` binds a free port
+    (shown in `/sim/state`)."""
+    kv_events_topic: str = "kv"
+    """First frame of every message (vLLM's own default is "" when `topic` is left out)."""
+    kv_events_replay_endpoint: str | None = None
+    """Optional ZMQ ROUTER endpoint (always bound) that replays buffered batches from a sequence number."""
+    kv_events_int_hashes: bool = True
+    """Publish block hashes as 64-bit ints, like vLLM's default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`;
+    False publishes the 32-byte sha256 digests."""
+
     # --- P/D (NixlConnector-shaped kv_transfer_params) ---
     kv_role: KvRole | None = None
     engine_id: str = "sim-engine-0"
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600
     tp_size: int = 1
+    kv_lease_s: float = Field(default=30.0, ge=0.0)
+    """NixlConnector's `kv_lease_duration`: a finished prefill's blocks stay pinned this long unless a
+    decode engine consumes them first."""
+    advertise_peer_url: bool = False
+    """Add `sim_peer_url` (the URL the request came in on) to a prefill's kv_transfer_params, so a decode
+    simulator can release the pinned blocks with `POST /sim/kv_transfer/consume`. Off by default: the
+    wire then stays exactly vLLM's."""
 
     # --- misc wire details ---
     weight_version: str = "default"

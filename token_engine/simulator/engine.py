@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from .config import SimConfig
 from .errors import SimValidationError
+from .kv_transfer import PeerNotifier, TransferPins
 from .output_model import TokenSource, fake_logprob, make_source
-from .prefix_cache import PrefixCache
+from .prefix_cache import EventSink, PrefixCache
 from .protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -74,6 +75,8 @@ class SimRequest:
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error_after_tokens: int | None = None
+    peer_url: str | None = None
+    """The URL this request reached the server on; advertised as `sim_peer_url` when configured."""
     internal_id: str = ""
     arrival: float = field(default_factory=time.monotonic)
     status: Literal["new", "waiting", "running", "finished"] = "new"
@@ -81,6 +84,7 @@ class SimRequest:
     num_cached_tokens: int = 0
     choices: list[ChoiceState] = field(default_factory=list)
     response_kv_transfer_params: dict[str, Any] | None = None
+    peer_notified: bool = False
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
     _admitted: asyncio.Future[bool] | None = None
 
@@ -104,11 +108,17 @@ class EngineStats:
 class SimEngine:
     """Holds every in-flight request; all methods run on the server's event loop."""
 
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, on_kv_events: EventSink | None = None) -> None:
         self.config = config
         self.prefix_cache = PrefixCache(
-            config.block_size, config.capacity_blocks, config.enable_prefix_caching
+            config.block_size,
+            config.capacity_blocks,
+            config.enable_prefix_caching,
+            on_events=on_kv_events,
+            int_event_hashes=config.kv_events_int_hashes,
         )
+        self.transfers = TransferPins(config.kv_lease_s)
+        self.peer_notifier = PeerNotifier()
         self.stats = EngineStats()
         self._requests: dict[str, SimRequest] = {}
         self._by_external: dict[str, set[str]] = {}
@@ -128,13 +138,14 @@ class SimEngine:
         return [entry[3] for entry in sorted(self._waiting)]
 
     def kv_cache_usage(self) -> float:
-        """Blocks held by running requests over the block pool (cached-but-free blocks count as free)."""
+        """Blocks held by running requests and by pinned P/D transfers over the block pool (cached-but-free
+        blocks count as free, as in vLLM)."""
         bs = self.config.block_size
         used = sum(
             math.ceil((len(r.prompt) + max((len(c.tokens) for c in r.choices), default=0)) / bs)
             for r in self._running.values()
         )
-        return min(1.0, used / self.config.capacity_blocks)
+        return min(1.0, (used + self.transfers.pinned_blocks) / self.config.capacity_blocks)
 
     # ------------------------------------------------------------------ abort
 
@@ -211,6 +222,9 @@ class SimEngine:
             self._finish(req, disconnected=not req.choices or not all(c.finished for c in req.choices))
             raise
         finally:
+            # A remote-prefill request that ends before it pulled (aborted while queued) still tells the
+            # prefill side to free its blocks (NixlConnector request_finished with do_remote_prefill).
+            self._notify_prefill_peer(req)
             self._release(req)
 
     async def _run(self, req: SimRequest) -> AsyncIterator[ChoiceDelta]:
@@ -231,7 +245,14 @@ class SimEngine:
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
         if self._is_remote_prefill(req):
+            # NixlConnector loads every prompt token it does not have locally (local + external = the
+            # whole prompt) and the scheduler recomputes only the last one.
             uncached = min(uncached, 1)
+            req.num_cached_tokens = len(req.prompt)
+            self._notify_prefill_peer(req)
+        remote_cached = (req.kv_transfer_params or {}).get("remote_prefill_cached_tokens")
+        if (req.kv_transfer_params or {}).get("do_remote_prefill") and isinstance(remote_cached, int):
+            req.num_cached_tokens = remote_cached  # OutputProcessor reports the P side's hits
         if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached):
             return
         self.prefix_cache.insert(req.prompt, req.cache_salt)
@@ -370,8 +391,20 @@ class SimEngine:
             and all(p.get(k) is not None for k in needed)
         )
 
+    def _notify_prefill_peer(self, req: SimRequest) -> None:
+        """Decode side: tell the prefill simulator (if it advertised `sim_peer_url`) to free the blocks."""
+        p = req.kv_transfer_params or {}
+        peer = p.get("sim_peer_url")
+        if req.peer_notified or not isinstance(peer, str) or not self._is_remote_prefill(req):
+            return
+        req.peer_notified = True
+        self.peer_notifier.notify(peer, str(p["remote_request_id"]))
+
     def _maybe_kv_transfer_params(self, req: SimRequest) -> None:
-        """NixlConnector request_finished(): a prefill leg that stopped or hit length hands blocks over."""
+        """NixlConnector request_finished(): a prefill leg that stopped or hit length hands blocks over.
+
+        The blocks stay pinned (`self.transfers`) until the decode side consumes them or the lease ends.
+        """
         p = req.kv_transfer_params or {}
         if self.config.kv_role not in ("prefill", "both") or not p.get("do_remote_decode"):
             return
@@ -397,6 +430,13 @@ class SimEngine:
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
         }
+        if generated == 1:
+            # The scheduler adds the P side's prefix-cache hits when the request finishes on its first
+            # output (its prefill stats are still untaken), so D can report them as cached_tokens.
+            req.response_kv_transfer_params["remote_prefill_cached_tokens"] = req.num_cached_tokens
+        if cfg.advertise_peer_url and req.peer_url is not None:
+            req.response_kv_transfer_params["sim_peer_url"] = req.peer_url
+        self.transfers.pin(req.internal_id, req.external_id, nblocks)
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -59,6 +59,18 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", eng.stats.generation_tokens
         )
+        # Simulator-only (`sim:` prefix): blocks a finished P/D prefill still holds for its decode leg.
+        pins = eng.transfers.pinned
+        yield gauge(
+            "sim:kv_transfer_pinned_blocks",
+            "KV blocks held by finished prefills until a decode engine pulls them or their lease ends.",
+            sum(p.blocks for p in pins),
+        )
+        yield gauge(
+            "sim:kv_transfer_pinned_requests",
+            "Finished prefills whose KV blocks are still pinned.",
+            len(pins),
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

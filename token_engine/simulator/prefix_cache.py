@@ -1,22 +1,29 @@
 """A tiny model of vLLM's automatic prefix cache.
 
 Why it exists: cache-aware scheduling only pays off if engines get cheaper on repeated prefixes, so the
-simulator needs a cache whose hits shorten prefill and show up in `/metrics` like vLLM's do.
+simulator needs a cache whose hits shorten prefill and show up in `/metrics` (and in KV events) like
+vLLM's do.
 
 Like vLLM, only full blocks are cached; each block's hash chains its parent's hash (so a block only hits
 if the whole prefix before it matches), the first block is salted with `cache_salt`, eviction is LRU, and
 at least one prompt token is always recomputed (a fully cached, block-aligned prompt gives back its last
-block). It models a hash table, not physical block allocation.
+block). Like vLLM's free-block queue, a request's blocks are queued for eviction tail first, so a parent
+is never evicted before its children and the cache never holds unreachable blocks. It models a hash
+table, not physical block allocation.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from .kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
 
 BlockHash = bytes
+EventSink = Callable[[list[KVEvent]], None]
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[BlockHash]:
@@ -42,27 +49,53 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """LRU set of chained block hashes with hit/query accounting."""
+    """LRU set of chained block hashes with hit/query accounting and optional vLLM KV events.
 
-    def __init__(self, block_size: int, capacity_blocks: int, enabled: bool = True) -> None:
+    `on_events` receives the events of one operation (one vLLM scheduler step's worth) as a list:
+    `BlockStored` for the newly cached run of blocks, one `BlockRemoved` per evicted block,
+    `AllBlocksCleared` on `clear()`. `int_event_hashes` mirrors `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        capacity_blocks: int,
+        enabled: bool = True,
+        *,
+        on_events: EventSink | None = None,
+        int_event_hashes: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.enabled = enabled
+        self.on_events = on_events
+        self.int_event_hashes = int_event_hashes
         self.stats = PrefixCacheStats()
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    def _touch(self, hashes: Sequence[BlockHash]) -> None:
+        """Most recently used, tail block first: the tail is evicted before its parents."""
+        for h in reversed(hashes):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+
     def lookup(self, token_ids: Sequence[int], salt: str | None = None, *, record: bool = True) -> int:
         """Number of leading prompt tokens served from cache; counts a query when `record`."""
         cached = 0
         if self.enabled:
+            hit: list[BlockHash] = []
             for h in block_hashes(token_ids, self.block_size, salt):
                 if h not in self._blocks:
                     break
-                self._blocks.move_to_end(h)
-                cached += self.block_size
+                hit.append(h)
+            self._touch(hit)
+            cached = len(hit) * self.block_size
             # vLLM always recomputes at least the last prompt token to get logits.
             if cached >= len(token_ids):
                 cached = max(0, cached - self.block_size)
@@ -75,18 +108,56 @@ class PrefixCache:
         """Mark the prompt's full blocks cached (most recently used); evict the oldest beyond capacity."""
         if not self.enabled:
             return
-        for h in block_hashes(token_ids, self.block_size, salt):
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        # Blocks are chained and parents outlive children, so the new blocks are a suffix.
+        first_new = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
+        self._touch(hashes)
+        evicted: list[BlockHash] = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
             self.stats.evictions += 1
+        if self.on_events is None:
+            return
+        new = set(hashes[first_new:])
+        events: list[KVEvent] = [self._removed(h) for h in evicted if h not in new]
+        if first_new < len(hashes):
+            events.append(self._stored(hashes, first_new, token_ids, salt))
+        events.extend(self._removed(h) for h in evicted if h in new)
+        self.on_events(events)
 
     def clear(self) -> None:
         """Drop every cached block (vLLM's `reset_prefix_cache`); counters are kept."""
         self._blocks.clear()
+        if self.on_events is not None and self.enabled:
+            self.on_events([AllBlocksCleared()])
 
     @property
     def usage(self) -> float:
         """Fraction of the block capacity holding cached prefixes."""
         return len(self._blocks) / self.capacity_blocks
+
+    # ------------------------------------------------------------------ events
+
+    def _ext(self, h: BlockHash) -> Any:
+        return external_hash(h, self.int_event_hashes)
+
+    def _stored(
+        self, hashes: list[BlockHash], first: int, token_ids: Sequence[int], salt: str | None
+    ) -> BlockStored:
+        """vLLM's `cache_full_blocks` event: the new run, its parent, its tokens, per-block extra keys
+        (the cache_salt, untagged, on block 0 only; None elsewhere)."""
+        bs = self.block_size
+        return BlockStored(
+            block_hashes=[self._ext(h) for h in hashes[first:]],
+            parent_block_hash=self._ext(hashes[first - 1]) if first > 0 else None,
+            token_ids=list(token_ids[first * bs : len(hashes) * bs]),
+            block_size=bs,
+            lora_id=None,
+            medium=MEDIUM_GPU,
+            lora_name=None,
+            extra_keys=[(salt,) if i == 0 and salt else None for i in range(first, len(hashes))],
+            group_idx=0,
+        )
+
+    def _removed(self, h: BlockHash) -> BlockRemoved:
+        return BlockRemoved(block_hashes=[self._ext(h)], medium=MEDIUM_GPU, group_idx=0)

@@ -86,6 +86,7 @@ class SimulatedEngine:
         if self._sock is not None:
             self._sock.close()
         self._server = self._thread = self._sock = None
+        self.app.state.sim.close()  # lifespan is off here, so close the KV event publisher ourselves
 
     def __enter__(self) -> SimulatedEngine:
         return self.start()
@@ -106,8 +107,12 @@ class SimulatedEngine:
         return result
 
     def state(self) -> dict[str, Any]:
-        """`GET /sim/state`: running/waiting/aborted ids and counters."""
+        """`GET /sim/state`: running/waiting/aborted ids, counters, pinned transfers, KV event endpoint."""
         return self._call("GET", "/sim/state")
+
+    def consume_transfer(self, remote_request_id: str) -> dict[str, Any]:
+        """`POST /sim/kv_transfer/consume`: what a decode simulator calls after pulling the blocks."""
+        return self._call("POST", "/sim/kv_transfer/consume", {"remote_request_id": remote_request_id})
 
     def set_faults(self, **faults: Any) -> dict[str, Any]:
         """Replace the fault set (see `SimFaults`)."""

@@ -21,7 +21,9 @@ def error_body(message: str, type_: str, status: int, param: str | None = None) 
 
 
 def error_response(exc: PipelineError, request_id: str | None = None) -> JSONResponse:
-    headers = {"X-Request-Id": request_id} if request_id else None
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

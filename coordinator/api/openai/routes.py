@@ -26,7 +26,8 @@ class ClientGone(Exception):
     """The client closed the connection before a non-streaming answer was ready."""
 
 
-def build_router(pipeline: Pipeline, auth: ApiKeyCheck, max_body_bytes: int) -> APIRouter:
+def build_router(pipeline: Pipeline, auth: ApiKeyCheck, max_body_bytes: int,
+                 priority_header: str = "x-request-priority") -> APIRouter:
     router = APIRouter()
 
     async def handle(kind: Kind, request: Request) -> Response:
@@ -37,11 +38,12 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, max_body_bytes: int) -> 
         try:
             auth(request.headers.get("authorization"))
             body = await _read_json(request, max_body_bytes)
-            ctx = await pipeline.begin(kind, body, request_id)
+            ctx = await pipeline.begin(kind, body, request_id, priority=request.headers.get(priority_header))
             if not ctx.stream:
                 result = await _unless_client_leaves(request, pipeline.complete(ctx))
                 return JSONResponse(result, headers=headers)
-            session = await pipeline.open_stream(ctx)
+            # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
+            session = await _unless_client_leaves(request, pipeline.open_stream(ctx))
             stack.push_async_callback(session.aclose)
         except PipelineError as exc:
             await stack.aclose()

@@ -37,6 +37,10 @@ class EngineStreamError(UpstreamUnavailable):
     """The engine reported an error inside a stream that had already started."""
 
 
+class EngineUnreachable(UpstreamUnavailable):
+    """No connection could be made: the request never reached the engine, so another may take it."""
+
+
 class EngineClient:
     def __init__(self, settings: EngineClientSettings, http: httpx.AsyncClient | None = None) -> None:
         self.settings = settings
@@ -66,6 +70,8 @@ class EngineClient:
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise EngineUnreachable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
         except httpx.TimeoutException as exc:
             self.abort_soon(engine, request_id)
             raise UpstreamTimeout(f"engine {engine.url} timed out") from exc
@@ -92,6 +98,8 @@ class EngineClient:
                                        headers={"X-Request-Id": request_id})
         try:
             resp = await self._http.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise EngineUnreachable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
         except httpx.TimeoutException as exc:
             self.abort_soon(engine, request_id)
             raise UpstreamTimeout(f"engine {engine.url} timed out") from exc

@@ -1,17 +1,42 @@
-"""Engines from config, their health, and what each one has in flight."""
+"""Engines from config and DNS discovery: their state, breaker, telemetry and what each has in flight.
+
+One registry per coordinator. A background task probes ``GET /health`` (and scrapes ``/metrics``) of every
+engine; the engine set can change while serving (``update()``, discovery), and removed engines drain
+before they are dropped so no in-flight request loses its engine object. Listeners hear about every
+change so admission can wake waiters and the prefix index can forget a dropped engine.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
-from coordinator.config import EngineRole, EngineSettings
+from coordinator.config import EngineRole, EngineSettings, Settings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
+from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
+from coordinator.pipeline.engines.telemetry import Telemetry, scrape
+
+__all__ = ["Engine", "EngineEvent", "EngineRegistry", "EngineState", "Listener", "Telemetry"]
 
 log = logging.getLogger(__name__)
+
+
+EngineState = Literal["healthy", "unhealthy", "draining"]
+EngineEvent = Literal["added", "removed", "state"]
+Listener = Callable[[str, "Engine"], None]
+"""``(event, engine)``: "added"; "removed" (dropped for good); "state" (state, breaker or config changed)."""
+
+_STATES: tuple[EngineState, ...] = ("healthy", "unhealthy", "draining")
+_BREAKER_VALUE: dict[BreakerState, int] = {"closed": 0, "half_open": 1, "open": 2}
+_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(eq=False)
@@ -20,56 +45,362 @@ class Engine:
     role: EngineRole
     model: str | None
     weight: float
-    healthy: bool = True          # optimistic until the first probe says otherwise
+    token_budget: int
+    breaker: CircuitBreaker
+    kv_events: str | None = None
+    state: EngineState = "healthy"   # optimistic until the first probe says otherwise
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    # Inputs of ``state`` (the registry derives it; set them through the registry, not directly):
+    drain_requested: bool = False    # config ``drain: true`` or ``drain(url)``
+    removed: bool = False            # gone from config/discovery: dropped once idle
+    probe_ok: bool | None = None     # last health verdict; None = not probed yet (counts as healthy)
 
     def serves(self, model: str) -> bool:
         return self.model is None or self.model == model
 
+    @property
+    def healthy(self) -> bool:
+        return self.state == "healthy"
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
+
+    @property
+    def available(self) -> bool:
+        """Can take a new request now: healthy, not draining, breaker lets it through."""
+        return self.state == "healthy" and self.breaker.available()
+
+    def derived_state(self) -> EngineState:
+        """Draining wins over health, so a good probe never puts a draining engine back in rotation."""
+        if self.removed or self.drain_requested:
+            return "draining"
+        return "unhealthy" if self.probe_ok is False else "healthy"
+
 
 class EngineRegistry:
-    """Holds the engine list; a background task probes ``GET /health`` of each engine."""
+    """Holds the engine set; probes health (and telemetry) on a timer; tracks drain and breakers.
 
-    def __init__(self, engines: list[EngineSettings], http: httpx.AsyncClient, interval_s: float) -> None:
-        self.engines = [Engine(e.url.rstrip("/"), e.role, e.model, e.weight) for e in engines]
+    ``update()`` replaces the *configured* engines; discovered engines (``discovery.dns_name``) are merged
+    in on every discovery round, with configured entries winning for the same URL.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        http: httpx.AsyncClient,
+        metrics: Metrics | None = None,
+        *,
+        resolver: Resolver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
         self._http = http
-        self._interval = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._metrics = metrics
+        self._clock = clock                     # the breakers' clock (tests inject one)
+        self._interval = settings.engine_client.health_interval_s
+        self._telemetry = settings.resilience.telemetry
+        self._listeners: list[Listener] = []
+        self._by_url: dict[str, Engine] = {}
+        self._published: dict[str, tuple[EngineState, BreakerState]] = {}
+        self._config_drain: dict[str, bool] = {}  # last `drain` seen per URL: only its changes apply
+        self._static: list[EngineSettings] = list(settings.engines)
+        self._discovery = (DnsDiscovery(settings.discovery, resolver)
+                           if settings.discovery.dns_name is not None else None)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._timers: dict[str, asyncio.TimerHandle] = {}   # per URL: re-check when a cooldown ends
+        self.engines: list[Engine] = []
+        self._apply(self._static)
+
+    # ---- lookups --------------------------------------------------------------------------------
+
+    def get(self, url: str) -> Engine | None:
+        return self._by_url.get(url.rstrip("/"))
 
     def candidates(self, model: str, role: EngineRole = "union") -> list[Engine]:
+        """Engines that may take a new request for ``model`` now (budget is the scheduler's business)."""
+        return [e for e in self.engines if e.available and e.role == role and e.serves(model)]
+
+    def eligible(self, model: str, role: EngineRole = "union") -> list[Engine]:
+        """Healthy engines for ``model`` whatever their breaker says: non-empty means "wait for capacity
+        or a half-open trial" rather than "no engine can serve this" (503)."""
         return [e for e in self.engines if e.healthy and e.role == role and e.serves(model)]
 
     def any_healthy(self) -> bool:
         return any(e.healthy for e in self.engines)
 
-    async def probe_once(self) -> None:
-        await asyncio.gather(*(self._probe(e) for e in self.engines))
+    # ---- listeners ------------------------------------------------------------------------------
 
-    async def _probe(self, engine: Engine) -> None:
+    def add_listener(self, callback: Listener) -> None:
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Listener) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    def _notify(self, event: EngineEvent, engine: Engine) -> None:
+        for cb in list(self._listeners):
+            try:
+                cb(event, engine)
+            except Exception:   # one broken listener must not stop probing or the others
+                log.exception("engine registry listener failed on %s %s", event, engine.url)
+
+    # ---- the engine set -------------------------------------------------------------------------
+
+    def update(self, engines: list[EngineSettings]) -> None:
+        """Replace the configured engines without a restart: new URLs are added, existing ones updated in
+        place (in-flight counters kept), missing ones drain and are dropped once idle."""
+        self._static = list(engines)
+        self._apply(self._merged())
+
+    def _merged(self) -> list[EngineSettings]:
+        found = self._discovery.engines if self._discovery is not None else []
+        return [*self._static, *found]
+
+    def _budget(self, s: EngineSettings) -> int:
+        if s.max_inflight_tokens is not None:
+            return s.max_inflight_tokens
+        return max(1, int(self._settings.admission.engine_tokens * s.weight))
+
+    def _apply(self, wanted: list[EngineSettings]) -> None:
+        desired: dict[str, EngineSettings] = {}
+        for s in wanted:
+            desired.setdefault(s.url.rstrip("/"), s)   # first wins: configured before discovered
+        for url, s in desired.items():
+            engine = self._by_url.get(url)
+            drain_edge = self._config_drain.get(url) != s.drain
+            self._config_drain[url] = s.drain
+            if engine is None:
+                engine = Engine(url, s.role, s.model, s.weight, self._budget(s),
+                                CircuitBreaker(self._settings.resilience.breaker_failures,
+                                               self._settings.resilience.breaker_cooldown_s, self._clock),
+                                kv_events=s.kv_events, drain_requested=s.drain)
+                self._by_url[url] = engine
+                self.engines.append(engine)
+                log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
+                self._sync(engine, notify=False)
+                self._notify("added", engine)
+                continue
+            before = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
+                      engine.removed, engine.drain_requested)
+            engine.role, engine.model, engine.weight = s.role, s.model, s.weight
+            engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
+            engine.removed = False
+            if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
+                engine.drain_requested = s.drain
+            after = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
+                     engine.removed, engine.drain_requested)
+            if after != before:
+                log.info("engine %s updated", url)
+                self._sync(engine, force=True)
+        for url, engine in list(self._by_url.items()):
+            if url not in desired and not engine.removed:
+                engine.removed = True
+                self._config_drain.pop(url, None)
+                if engine.inflight_requests <= 0:
+                    self._drop(engine)   # idle: straight to "removed", no draining detour
+                    continue
+                log.info("engine %s removed: draining %d request(s)", url, engine.inflight_requests)
+                self._sync(engine)
+
+    def _drop_idle(self) -> None:
+        for engine in [e for e in self.engines if e.removed and e.inflight_requests <= 0]:
+            self._drop(engine)
+
+    def _drop(self, engine: Engine) -> None:
+        if self._by_url.get(engine.url) is not engine:
+            return
+        del self._by_url[engine.url]
+        self.engines.remove(engine)
+        self._published.pop(engine.url, None)
+        timer = self._timers.pop(engine.url, None)
+        if timer is not None:
+            timer.cancel()
+        m = self._metrics
+        if m is not None:
+            for state in _STATES:
+                with contextlib.suppress(KeyError):
+                    m.engine_state.remove(engine.url, state)
+            for gauge in (m.breaker_state, m.engine_inflight, m.engine_inflight_tokens):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(engine.url)
+        log.info("engine %s dropped", engine.url)
+        self._notify("removed", engine)
+
+    def on_idle(self, engine: Engine) -> None:
+        """Callers may call this after releasing a request: drops a removed engine as soon as it is idle."""
+        self._publish_load(engine)
+        if engine.removed and engine.inflight_requests <= 0:
+            self._drop(engine)
+
+    # ---- drain ----------------------------------------------------------------------------------
+
+    def drain(self, url: str) -> bool:
+        """Take no new requests on ``url``; in-flight ones finish. False when the URL is unknown."""
+        engine = self.get(url)
+        if engine is None:
+            return False
+        engine.drain_requested = True
+        self._sync(engine)
+        return True
+
+    def undrain(self, url: str) -> bool:
+        """Back into rotation (as its last probe left it). An engine removed from config stays draining."""
+        engine = self.get(url)
+        if engine is None or engine.removed:
+            return False
+        engine.drain_requested = False
+        self._sync(engine)
+        return True
+
+    # ---- state, breaker and metrics -------------------------------------------------------------
+
+    def _is_current(self, engine: Engine) -> bool:
+        return self._by_url.get(engine.url) is engine
+
+    def _sync(self, engine: Engine, *, notify: bool = True, force: bool = False,
+              failed: bool = False) -> None:
+        """Derive the state, publish metrics, and tell listeners when state or breaker changed."""
+        if not self._is_current(engine):
+            return
+        engine.state = engine.derived_state()
+        now = (engine.state, engine.breaker.state)
+        prev = self._published.get(engine.url)
+        self._published[engine.url] = now
+        if prev is not None and prev[0] != now[0]:
+            log.log(logging.WARNING if now[0] == "unhealthy" else logging.INFO,
+                    "engine %s is now %s", engine.url, now[0])
+        if prev is not None and prev[1] != now[1]:
+            log.warning("engine %s breaker is now %s", engine.url, now[1])
+        if now[1] == "open" and (failed or prev is None or prev[1] != "open"):
+            self._wake_after_cooldown(engine)   # a failure while open restarts the cooldown
+        self._publish(engine)
+        if notify and (force or prev != now):
+            self._notify("state", engine)
+
+    def _wake_after_cooldown(self, engine: Engine) -> None:
+        """An open breaker turns half-open by the clock alone: re-check then so waiters hear about it."""
         try:
-            ok = (await self._http.get(f"{engine.url}/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok != engine.healthy:
-            log.warning("engine %s is now %s", engine.url, "healthy" if ok else "unhealthy")
-        engine.healthy = ok
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return   # no loop (sync caller): the next probe round notices
+
+        def fire() -> None:
+            self._timers.pop(engine.url, None)
+            self._sync(engine)
+
+        old = self._timers.pop(engine.url, None)
+        if old is not None:
+            old.cancel()
+        delay = self._settings.resilience.breaker_cooldown_s + 0.001
+        self._timers[engine.url] = loop.call_later(delay, fire)
+
+    def export_metrics(self) -> None:
+        """Bring every engine's series up to date (called at scrape time: in-flight counts move
+        between probe rounds)."""
+        for engine in self.engines:
+            self._publish(engine)
+
+    def _publish(self, engine: Engine) -> None:
+        m = self._metrics
+        if m is None:
+            return
+        for state in _STATES:
+            m.engine_state.labels(engine.url, state).set(1 if engine.state == state else 0)
+        m.breaker_state.labels(engine.url).set(_BREAKER_VALUE[engine.breaker.state])
+        self._publish_load(engine)
+
+    def _publish_load(self, engine: Engine) -> None:
+        if self._metrics is None or not self._is_current(engine):
+            return
+        self._metrics.engine_inflight.labels(engine.url).set(engine.inflight_requests)
+        self._metrics.engine_inflight_tokens.labels(engine.url).set(engine.inflight_tokens)
+
+    def record_success(self, engine: Engine) -> None:
+        engine.breaker.record_success()
+        self._sync(engine)
+
+    def record_failure(self, engine: Engine) -> None:
+        engine.breaker.record_failure()
+        self._sync(engine, failed=True)
+
+    def release_trial(self, engine: Engine) -> None:
+        """A half-open trial ended without a verdict: another request may try (waiters are woken)."""
+        engine.breaker.release_trial()
+        self._sync(engine, force=engine.breaker.available())
 
     def mark_failed(self, engine: Engine) -> None:
-        """A connection failure takes the engine out of rotation until the next good probe."""
-        engine.healthy = False
+        """A connection failure: counts against the breaker and takes the engine out of rotation until
+        the next good probe."""
+        engine.breaker.record_failure()
+        engine.probe_ok = False
+        self._sync(engine, failed=True)
+
+    # ---- probing --------------------------------------------------------------------------------
+
+    async def probe_once(self) -> None:
+        """One round: health (and telemetry) of every engine, then drop removed engines that are idle."""
+        engines = list(self.engines)
+        await asyncio.gather(*(self._probe(e) for e in engines))
+        for engine in engines:
+            self._sync(engine)   # also catches open → half-open by the clock
+        self._drop_idle()
+
+    async def _probe(self, engine: Engine) -> None:
+        async def health() -> None:
+            try:
+                resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
+                engine.probe_ok = resp.status_code == 200
+            except httpx.HTTPError:
+                engine.probe_ok = False
+
+        async def telemetry() -> None:
+            found = await scrape(self._http, engine.url, _PROBE_TIMEOUT_S)
+            if found is not None:
+                engine.telemetry = found
+
+        if self._telemetry:
+            await asyncio.gather(health(), telemetry())
+        else:
+            await health()
+
+    async def discover_once(self) -> None:
+        """One discovery round (no-op without ``discovery.dns_name``)."""
+        if self._discovery is None:
+            return
+        await self._discovery.discover()
+        self._apply(self._merged())
+
+    # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Discover (when configured) and probe once before serving, then keep doing both."""
+        await self.discover_once()
         await self.probe_once()
-        self._task = asyncio.create_task(self._loop(), name="engine-health")
+        self._tasks.append(asyncio.create_task(self._every(self._interval, self.probe_once),
+                                               name="engine-health"))
+        if self._discovery is not None:
+            self._tasks.append(asyncio.create_task(
+                self._every(self._discovery.interval_s, self.discover_once), name="engine-discovery"))
 
-    async def _loop(self) -> None:
+    @staticmethod
+    async def _every(interval_s: float, job: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            await self.probe_once()
+            await asyncio.sleep(interval_s)
+            try:
+                await job()
+            except Exception:   # a bad round must not end the loop
+                log.exception("engine registry background round failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task

@@ -1,0 +1,87 @@
+"""Operator endpoints: see the engine pool, drain and restore engines, replace the static list.
+
+Thin: each route calls one registry method. Guarded by the same API keys as the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter, ValidationError
+
+from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.openai.errors import error_response
+from coordinator.config import EngineSettings
+from coordinator.pipeline.admission.controller import AdmissionController
+from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.errors import BadRequest, ModelNotFound, PipelineError
+
+_ENGINE_LIST = TypeAdapter(list[EngineSettings])
+
+
+def describe(e: Engine) -> dict[str, Any]:
+    return {"url": e.url, "role": e.role, "model": e.model, "weight": e.weight, "state": e.state,
+            "breaker": e.breaker.state, "inflight_requests": e.inflight_requests,
+            "inflight_tokens": e.inflight_tokens, "token_budget": e.token_budget,
+            "kv_events": e.kv_events, "telemetry": vars(e.telemetry)}
+
+
+def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
+                       auth: ApiKeyCheck) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+
+    def guarded(request: Request) -> None:
+        auth(request.headers.get("authorization"))
+
+    def find(url: str) -> Engine:
+        engine = registry.get(url.rstrip("/"))
+        if engine is None:
+            raise ModelNotFound(f"No engine {url!r} in the pool", param="url")
+        return engine
+
+    @router.get("/engines")
+    async def engines(request: Request) -> Response:
+        try:
+            guarded(request)
+        except PipelineError as exc:
+            return error_response(exc)
+        return JSONResponse({"engines": [describe(e) for e in registry.engines],
+                             "queued": admission.queue_length})
+
+    @router.post("/engines/drain")
+    async def drain(request: Request, url: str) -> Response:
+        try:
+            guarded(request)
+            registry.drain(find(url).url)
+        except PipelineError as exc:
+            return error_response(exc)
+        return JSONResponse(describe(find(url)))
+
+    @router.post("/engines/undrain")
+    async def undrain(request: Request, url: str) -> Response:
+        try:
+            guarded(request)
+            registry.undrain(find(url).url)
+        except PipelineError as exc:
+            return error_response(exc)
+        admission.wake()
+        return JSONResponse(describe(find(url)))
+
+    @router.put("/engines")
+    async def replace(request: Request) -> Response:
+        """Replace the static engine list (same shape as ``engines:`` in the YAML); no restart."""
+        try:
+            guarded(request)
+            try:
+                items = _ENGINE_LIST.validate_json(await request.body())
+            except ValidationError as exc:
+                raise BadRequest(f"Invalid engine list: {exc.errors()[0]['msg']}", param="engines") from None
+            registry.update(items)
+        except PipelineError as exc:
+            return error_response(exc)
+        admission.wake()
+        return JSONResponse({"engines": [describe(e) for e in registry.engines]})
+
+    return router

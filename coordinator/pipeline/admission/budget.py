@@ -1,0 +1,103 @@
+"""Token budgets: what each engine, and the coordinator as a whole, has admitted and not yet released.
+
+A request's cost is the most KV it can occupy (prompt + every output token). Counting it against a
+budget *before* sending keeps engines out of preemption/recompute, which costs more than waiting here.
+The ledger is plain synchronous bookkeeping: the scheduler asks it for room while it picks engines,
+the admission controller reserves with it, and a ``Reservation`` gives the tokens back.
+"""
+
+from __future__ import annotations
+
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.scheduling.request import Placement
+
+
+class TokenLedger:
+    """Per-engine and global in-flight token counts, and the room rules on top of them.
+
+    The per-engine counts live on the ``Engine`` objects (the ``load`` scorer reads them); the global
+    total lives here. ``global_limit=None`` means no global limit. ``enforce=False`` keeps the
+    accounting but makes every room check say yes: admission switched off still measures load.
+    """
+
+    def __init__(self, global_limit: int | None, *, enforce: bool = True) -> None:
+        self.global_limit = global_limit
+        self.enforce = enforce
+        self._global_inflight = 0
+
+    @property
+    def global_inflight(self) -> int:
+        """Tokens reserved over all engines and not yet released (each request counted once)."""
+        return self._global_inflight
+
+    def engine_room(self, engine: Engine, tokens: int) -> bool:
+        """Can ``engine`` take ``tokens`` more? An idle engine always can: a request larger than the
+        whole budget then runs alone instead of waiting for room that can never appear."""
+        if not self.enforce or engine.inflight_tokens == 0:
+            return True
+        return engine.inflight_tokens + tokens <= engine.token_budget
+
+    def global_room(self, tokens: int) -> bool:
+        """The same rule against the global limit (None = unlimited)."""
+        if not self.enforce or self.global_limit is None or self._global_inflight == 0:
+            return True
+        return self._global_inflight + tokens <= self.global_limit
+
+    def reserve(self, placement: Placement, tokens: int, prefill_tokens: int = 0) -> Reservation:
+        """Count ``tokens`` on the decoding engine and globally, ``prefill_tokens`` on a P/D prefill
+        engine; each engine gets one more in-flight request. No room check: the caller did it."""
+        shares: dict[Engine, int] = {placement.engine: tokens}
+        if placement.prefill is not None:
+            shares[placement.prefill] = shares.get(placement.prefill, 0) + prefill_tokens
+        for engine, share in shares.items():
+            engine.inflight_tokens += share
+            engine.inflight_requests += 1
+        self._global_inflight += tokens
+        return Reservation(self, shares, tokens)
+
+    def _give_back(self, tokens: int) -> None:
+        self._global_inflight = max(0, self._global_inflight - tokens)
+
+
+class Reservation:
+    """The tokens one admitted request holds. Every release is idempotent and never goes below zero,
+    so error paths may release again without corrupting the counts."""
+
+    def __init__(self, ledger: TokenLedger, shares: dict[Engine, int], global_tokens: int) -> None:
+        self._ledger = ledger
+        self._shares = shares
+        self._global = global_tokens
+
+    @property
+    def released(self) -> bool:
+        return not self._shares and self._global == 0
+
+    def held(self, engine: Engine) -> int:
+        """Tokens still held on ``engine`` (0 once released, or if it is not part of this request)."""
+        return self._shares.get(engine, 0)
+
+    def release_engine(self, engine: Engine) -> bool:
+        """Give ``engine``'s share back early (e.g. the prefill leg finished); True if anything was
+        held there. Releasing the last engine share also returns the global share."""
+        share = self._shares.pop(engine, None)
+        if share is None:
+            return False
+        engine.inflight_tokens = max(0, engine.inflight_tokens - share)
+        engine.inflight_requests = max(0, engine.inflight_requests - 1)
+        if not self._shares:
+            self._release_global()
+        return True
+
+    def release(self) -> bool:
+        """Give back everything still held; True if anything was."""
+        changed = False
+        for engine in list(self._shares):
+            changed = self.release_engine(engine) or changed
+        return self._release_global() or changed
+
+    def _release_global(self) -> bool:
+        if self._global == 0:
+            return False
+        self._ledger._give_back(self._global)
+        self._global = 0
+        return True

@@ -1,0 +1,290 @@
+"""Admission: let a request through when its tokens fit, make it wait in priority order when they do
+not, and refuse it (429 / 503 with ``Retry-After``) when waiting is pointless.
+
+Why here and not only in the engines: vLLM admits whatever it is sent and then preempts under KV
+pressure, which wastes the work already done. Waiting in the coordinator costs nothing and lets a
+freed engine go to the most urgent request, whichever model or engine it needs.
+
+Rules, in one place:
+
+* **Fast path.** Nobody waits ahead (no waiter with priority <= ours), the global budget has room
+  and the scheduler's ``place`` finds an engine with room: reserve and return, no await.
+* **Refuse.** Otherwise, with ``max_queue`` waiters already queued: ``QueueFull`` (429) at once.
+* **Wait.** Otherwise queue by (priority, arrival) for up to ``queue_timeout_s`` (then
+  ``QueueTimeout``, 503). ``wake()`` admits waiters in order; it stops at the first that does not
+  fit the *global* budget (shared by everyone, so priority order is kept) but only skips one whose
+  own engines are full (another model's engines may be free).
+* **Disabled** (``settings.enabled = False``). The ledger is switched to accounting-only
+  (``ledger.enforce = False``): every room check, the scheduler's included, says yes, so nothing
+  waits for budget, yet reservations still count load for the ``load`` scorer. If ``place`` still
+  finds no engine (e.g. the engines' own queues are too long), the request cannot wait: 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from coordinator.config import AdmissionSettings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.budget import Reservation, TokenLedger
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import NoHealthyEngine, QueueFull, QueueTimeout
+from coordinator.pipeline.scheduling.request import Placement, SchedRequest
+
+log = logging.getLogger(__name__)
+
+Place = Callable[[SchedRequest], Placement | None]
+PrefillTokens = Callable[[Placement], int]
+
+
+def _no_prefill(placement: Placement) -> int:
+    return 0
+
+
+class Grant:
+    """An admitted request: where it goes, the tokens it holds, how long it waited.
+
+    Release it when the engine request ends (``with grant:`` does it on exit, exceptions included);
+    releasing again is harmless. Every release that frees tokens wakes the waiters.
+    """
+
+    def __init__(self, placement: Placement, reservation: Reservation, waited_s: float,
+                 on_release: Callable[[], None]) -> None:
+        self.placement = placement
+        self.reservation = reservation
+        self.waited_s = waited_s
+        self._on_release = on_release
+
+    @property
+    def released(self) -> bool:
+        return self.reservation.released
+
+    def release_engine(self, engine: Engine) -> None:
+        """Give one engine's share back early (the prefill leg of a P/D handoff finished)."""
+        if self.reservation.release_engine(engine):
+            self._on_release()
+
+    def release(self) -> None:
+        if self.reservation.release():
+            self._on_release()
+
+    def __enter__(self) -> Grant:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    key: tuple[int, int]                 # (priority, arrival seq): the queue order
+    req: SchedRequest
+    place: Place
+    prefill_tokens: PrefillTokens
+    arrived: float
+    future: asyncio.Future[Grant] = field(repr=False)
+
+
+class AdmissionController:
+    """Token-based flow control in front of the scheduler. One per coordinator; event-loop bound."""
+
+    def __init__(self, settings: AdmissionSettings, ledger: TokenLedger, metrics: Metrics | None = None,
+                 *, tick_s: float = 0.25) -> None:
+        self._settings = settings
+        self.ledger = ledger
+        if not settings.enabled:
+            ledger.enforce = False
+        self._metrics = metrics
+        self._tick_s = tick_s
+        self._queue: list[_Waiter] = []      # sorted by key; small (<= max_queue), so a list is enough
+        self._seq = 0
+        self._waking = False
+        self._wake_again = False
+        self._wake_scheduled = False
+        self._ticker: asyncio.Task[None] | None = None
+        if metrics is not None:
+            metrics.global_inflight_tokens.set_function(lambda: float(ledger.global_inflight))
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    # -- admission --------------------------------------------------------------------------------
+    async def admit(self, req: SchedRequest, place: Place, *,
+                    prefill_tokens: PrefillTokens = _no_prefill) -> Grant:
+        """Reserve engines for ``req``, waiting for room if need be.
+
+        ``place`` is the scheduler: a Placement among engines with room, None when eligible engines
+        exist but none has room, ``NoHealthyEngine`` when none could take it now (propagated).
+        ``prefill_tokens`` says what a P/D placement reserves on its prefill engine.
+        Raises ``QueueFull`` (429), ``QueueTimeout`` (503), or ``CancelledError`` if the caller is
+        cancelled while waiting (the waiter is removed and nothing stays reserved).
+        """
+        arrived = time.monotonic()
+        waiters_ahead = bool(self._queue) and self._queue[0].key[0] <= req.priority
+        if not waiters_ahead and self.ledger.global_room(req.cost_tokens):
+            placement = self._place_now(req, place)
+            if placement is not None:
+                return self._grant(req, placement, prefill_tokens, arrived)
+        if not self._settings.enabled or len(self._queue) >= self._settings.max_queue:
+            self._reject("queue_full")
+            raise QueueFull(f"Too many requests are waiting for capacity ({len(self._queue)}); "
+                            f"retry later", self._settings.retry_after_s)
+        return await self._wait(req, place, prefill_tokens, arrived, try_now=waiters_ahead)
+
+    def _place_now(self, req: SchedRequest, place: Place) -> Placement | None:
+        try:
+            return place(req)
+        except NoHealthyEngine:
+            self._reject("no_engine")
+            raise
+
+    async def _wait(self, req: SchedRequest, place: Place, prefill_tokens: PrefillTokens,
+                    arrived: float, *, try_now: bool) -> Grant:
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        waiter = _Waiter((req.priority, self._seq), req, place, prefill_tokens, arrived, future)
+        self._enqueue(waiter)
+        if try_now:
+            # We queued only because others wait ahead; those that fit and this one may go now.
+            self.wake()
+        try:
+            async with asyncio.timeout(self._settings.queue_timeout_s):
+                return await future
+        except TimeoutError:
+            self._remove(waiter)
+            if future.done() and not future.cancelled():
+                error = future.exception()
+                if error is None:
+                    return future.result()        # admitted just as the timeout fired: keep it
+                raise error from None             # failed (NoHealthyEngine) just as it fired
+            future.cancel()
+            self._reject("queue_timeout")
+            raise QueueTimeout(f"No capacity freed up within {self._settings.queue_timeout_s:g} s; "
+                               f"retry later", self._settings.retry_after_s) from None
+        except asyncio.CancelledError:
+            self._remove(waiter)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()         # admitted just as the client left: give it back
+            elif future.done() and not future.cancelled():
+                future.exception()                # mark retrieved; the cancellation wins
+            future.cancel()
+            self._reject("cancelled")
+            raise
+
+    def _grant(self, req: SchedRequest, placement: Placement, prefill_tokens: PrefillTokens,
+               arrived: float) -> Grant:
+        prefill = prefill_tokens(placement) if placement.prefill is not None else 0
+        reservation = self.ledger.reserve(placement, req.cost_tokens, prefill)
+        waited = time.monotonic() - arrived
+        if self._metrics is not None:
+            self._metrics.admitted.inc()
+            self._metrics.queue_wait.observe(waited)
+        return Grant(placement, reservation, waited, self._released)
+
+    # -- waking -----------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Admit the waiters that fit now, in (priority, arrival) order.
+
+        Stops at the first waiter whose cost does not fit the global budget (everyone shares it, so a
+        smaller, later request must not overtake); skips, leaving it waiting, one whose engines are
+        full (``place`` returns None), since a later waiter may need other engines. Re-entrant calls
+        (from ``place`` or a release inside it) are folded into one more pass.
+        """
+        if self._waking:
+            self._wake_again = True
+            return
+        self._waking = True
+        try:
+            self._wake_again = True
+            while self._wake_again:
+                self._wake_again = False
+                self._wake_pass()
+        finally:
+            self._waking = False
+
+    def _wake_pass(self) -> None:
+        for waiter in list(self._queue):
+            if waiter.future.done():        # cancelled or timed out; its task removes it too
+                self._remove(waiter)
+                continue
+            if not self.ledger.global_room(waiter.req.cost_tokens):
+                break
+            try:
+                placement = waiter.place(waiter.req)
+            except Exception as exc:
+                self._remove(waiter)
+                if isinstance(exc, NoHealthyEngine):
+                    self._reject("no_engine")
+                else:
+                    log.exception("place() failed for waiting request %s", waiter.req.request_id)
+                waiter.future.set_exception(exc)
+                continue
+            if placement is None:
+                continue
+            self._remove(waiter)
+            waiter.future.set_result(self._grant(waiter.req, placement, waiter.prefill_tokens,
+                                                 waiter.arrived))
+
+    def _released(self) -> None:
+        """Tokens came back: wake the waiters soon, not from inside the releaser's call stack."""
+        if not self._queue or self._wake_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.wake()
+            return
+        self._wake_scheduled = True
+        loop.call_soon(self._scheduled_wake)
+
+    def _scheduled_wake(self) -> None:
+        self._wake_scheduled = False
+        self.wake()
+
+    async def _tick(self) -> None:
+        """Breakers close and engines come back without any release: retry waiters periodically."""
+        while self._queue:
+            await asyncio.sleep(self._tick_s)
+            self.wake()
+
+    # -- queue ------------------------------------------------------------------------------------
+    def _enqueue(self, waiter: _Waiter) -> None:
+        bisect.insort(self._queue, waiter, key=lambda w: w.key)
+        self._queue_changed()
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="admission-wake")
+
+    def _remove(self, waiter: _Waiter) -> None:
+        i = bisect.bisect_left(self._queue, waiter.key, key=lambda w: w.key)
+        if i < len(self._queue) and self._queue[i] is waiter:
+            del self._queue[i]
+            self._queue_changed()
+        if not self._queue and self._ticker is not None:
+            if self._ticker is not asyncio.current_task():
+                self._ticker.cancel()
+            self._ticker = None
+
+    def _queue_changed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_length.set(len(self._queue))
+
+    def _reject(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.rejected.labels(reason).inc()
+
+    async def close(self) -> None:
+        """Stop the periodic wake (shutdown); waiters still queued time out or are cancelled."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None

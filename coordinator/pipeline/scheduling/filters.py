@@ -1,0 +1,49 @@
+"""Filters: drop engines that must not take this request now. Each is one small callable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.scheduling.request import SchedRequest
+
+
+class Filter(Protocol):
+    name: str
+
+    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]: ...
+
+
+class NotTried:
+    """A retry goes to an engine this request has not failed on yet."""
+
+    name = "not_tried"
+
+    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+        return [e for e in engines if e.url not in req.exclude]
+
+
+class HasRoom:
+    """The engine's token budget can take ``tokens`` more (admission's per-engine limit)."""
+
+    name = "has_room"
+
+    def __init__(self, room: Callable[[Engine, int], bool]) -> None:
+        self._room = room
+
+    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+        return [e for e in engines if self._room(e, tokens)]
+
+
+class QueueDepth:
+    """Skip engines whose own ``/metrics`` report a long waiting queue (our count misses other
+    coordinators' traffic; the engine's does not)."""
+
+    name = "queue_depth"
+
+    def __init__(self, max_waiting: int) -> None:
+        self._max = max_waiting
+
+    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+        return [e for e in engines if e.telemetry.waiting is None or e.telemetry.waiting <= self._max]

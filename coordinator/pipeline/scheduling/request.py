@@ -1,0 +1,47 @@
+"""What the scheduler and admission see of one engine request: no HTTP, no OpenAI body."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coordinator.config import EngineRole
+from coordinator.pipeline.engines.registry import Engine
+
+
+@dataclass
+class SchedRequest:
+    request_id: str
+    model: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    n: int = 1
+    priority: int = 0                  # lower = sooner (vLLM's convention)
+    cache_salt: str | None = None
+    exclude: set[str] = field(default_factory=set)   # engine urls this request already failed on
+    block_hashes: list[int] | None = None             # filled once by the scheduler, reused on retries
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def cost_tokens(self) -> int:
+        """What admission reserves: the most KV the request can occupy (prompt + every output token)."""
+        return self.prompt_tokens + self.max_tokens * self.n
+
+
+@dataclass
+class Placement:
+    """Engines chosen for one request and the tokens reserved on each (two for a P/D handoff)."""
+
+    engine: Engine                 # the engine that decodes (and prefills, in union)
+    prefill: Engine | None = None  # a P/D handoff's prefill engine
+    matched_tokens: int = 0        # prompt tokens ``engine`` already holds, per the prefix index
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [self.engine] if self.prefill is None else [self.prefill, self.engine]
+
+
+__all__ = ["EngineRole", "Placement", "SchedRequest"]

@@ -1,0 +1,154 @@
+"""The scheduler: filters → scorers → picker, per engine role, plus the P/D placement rule.
+
+HTTP-free and synchronous: one decision is a pure function of the registry, the prefix index and the
+budgets, so admission can call it from its wake-up loop without awaiting anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from coordinator.config import EngineRole, SchedulingSettings, TopologySettings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.errors import NoHealthyEngine
+from coordinator.pipeline.scheduling.filters import Filter, HasRoom, NotTried, QueueDepth
+from coordinator.pipeline.scheduling.pickers import PICKERS, Picker
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.request import Placement, SchedRequest
+from coordinator.pipeline.scheduling.scorers import SCORERS, Scorer, ScoringInput
+
+log = logging.getLogger(__name__)
+
+PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
+    "affinity": ([("prefix", 2.0), ("load", 1.0)], "max_score"),
+    "least_load": ([("load", 1.0)], "max_score"),
+    "round_robin": ([], "round_robin"),
+    "random": ([], "random"),
+}
+
+
+class NoOtherEngine(NoHealthyEngine):
+    """Every eligible engine was already tried by this request (retries stop here)."""
+
+
+@dataclass
+class Profile:
+    """The configured stages; one instance per coordinator."""
+
+    policy: str
+    filters: list[Filter]
+    scorers: list[tuple[Scorer, float]]
+    picker: Picker
+
+
+def build_profile(settings: SchedulingSettings, room: Callable[[Engine, int], bool],
+                  max_waiting: int | None) -> Profile:
+    named: list[tuple[str, float]]
+    picker_name: str
+    if settings.policy == "custom":
+        named = [(s.name, s.weight) for s in settings.scorers]
+        picker_name = settings.picker
+    else:
+        named, picker_name = PRESETS[settings.policy]
+    filters: list[Filter] = [NotTried(), HasRoom(room)]
+    if max_waiting is not None:
+        filters.append(QueueDepth(max_waiting))
+    scorers: list[tuple[Scorer, float]] = [(SCORERS[n](), w) for n, w in named if w > 0]
+    return Profile(settings.policy, filters, scorers, PICKERS[picker_name]())
+
+
+class Scheduler:
+    def __init__(self, registry: EngineRegistry, profile: Profile, *, index: PrefixIndex | None,
+                 block_size: int, learn: bool, topology: TopologySettings,
+                 metrics: Metrics | None = None) -> None:
+        self._registry = registry
+        self.profile = profile
+        self.index = index
+        self._block_size = block_size
+        self._learn = learn and index is not None
+        self._topology = topology
+        self._metrics = metrics
+
+    # -- public ---------------------------------------------------------------------------------
+    def uses_handoff(self, model: str) -> bool:
+        mode = self._topology.mode
+        if mode != "auto":
+            return mode == "handoff"
+        roles = {e.role for e in self._registry.engines if e.serves(model)}
+        return {"prefill", "decode"} <= roles
+
+    def place(self, req: SchedRequest) -> Placement | None:
+        """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine."""
+        self._prepare(req)
+        if not self.uses_handoff(req.model):
+            chosen = self._choose(req, "union", req.cost_tokens)
+            return None if chosen is None else self._commit(req, Placement(chosen[0], None, chosen[1]))
+        chosen = self._choose(req, "decode", req.cost_tokens)
+        if chosen is None:
+            return None
+        decode, matched = chosen
+        if req.prompt_tokens - matched < self._topology.pd_min_uncached_tokens:
+            return self._commit(req, Placement(decode, None, matched), path="decode_only")
+        try:
+            pre = self._choose(req, "prefill", req.prompt_tokens + 1)
+        except NoHealthyEngine:
+            # No prefill engine left at all: the decode engine prefills locally rather than failing.
+            return self._commit(req, Placement(decode, None, matched), path="decode_only")
+        if pre is None:
+            return None
+        return self._commit(req, Placement(decode, pre[0], matched), path="handoff")
+
+    def has_other_engine(self, req: SchedRequest) -> bool:
+        """Whether a retry has somewhere to go (an eligible engine this request has not failed on)."""
+        role: EngineRole = "decode" if self.uses_handoff(req.model) else "union"
+        return any(e.url not in req.exclude for e in self._registry.eligible(req.model, role))
+
+    def forget(self, engine_url: str) -> None:
+        if self.index is not None:
+            self.index.clear(engine_url)
+
+    # -- stages ---------------------------------------------------------------------------------
+    def _prepare(self, req: SchedRequest) -> None:
+        if self.index is not None and req.block_hashes is None:
+            req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
+                                            chain_seed(req.model, req.cache_salt))
+
+    def _choose(self, req: SchedRequest, role: EngineRole, tokens: int) -> tuple[Engine, int] | None:
+        eligible = self._registry.eligible(req.model, role)
+        if not eligible:
+            raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
+        pool: Sequence[Engine] = [e for e in eligible if e.available]
+        if req.exclude and not any(e.url not in req.exclude for e in eligible):
+            raise NoOtherEngine(f"every {role} engine for model {req.model!r} failed this request")
+        for f in self.profile.filters:
+            if not pool:
+                break
+            pool = f(req, pool, tokens)
+        if not pool:
+            return None
+        matched = (self.index.match(req.block_hashes) if self.index is not None and req.block_hashes
+                   else {})
+        data = ScoringInput(req, matched, self._block_size)
+        totals = [0.0] * len(pool)
+        for scorer, weight in self.profile.scorers:
+            for i, s in enumerate(scorer(data, pool)):
+                totals[i] += weight * s
+        engine = self.profile.picker(pool, totals)
+        return engine, data.matched_tokens(engine)
+
+    def _commit(self, req: SchedRequest, placement: Placement, path: str = "union") -> Placement:
+        for e in placement.engines:
+            e.breaker.on_pick()
+            if self._learn and self.index is not None and req.block_hashes:
+                self.index.add(e.url, req.block_hashes)
+        m = self._metrics
+        if m is not None:
+            m.decisions.labels(self.profile.policy, placement.engine.url).inc()
+            m.handoffs.labels(path).inc()
+            m.prefix_query_tokens.inc(req.prompt_tokens)
+            m.prefix_hit_tokens.inc(placement.matched_tokens)
+        return placement

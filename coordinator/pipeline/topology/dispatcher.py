@@ -1,0 +1,224 @@
+"""Engine dispatch for one prompt: admit → place → run the topology's legs, with retries.
+
+Union: one engine prefills and decodes. Handoff (P/D): a prefill engine computes the prompt's KV
+(one token, non-streaming), the decode engine continues from the ``kv_transfer_params`` it returned.
+A retry happens only before the first client-visible byte, always on an engine this request has not
+failed on, and always re-runs the whole topology: a decode leg is never retried with the previous
+prefill's (now stale) ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from coordinator.config import ResilienceSettings, TopologySettings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.controller import AdmissionController, Grant
+from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.engines.client import EngineClient, EngineStreamError
+from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.scheduling.request import Placement, SchedRequest
+from coordinator.pipeline.scheduling.scheduler import Scheduler
+from coordinator.pipeline.topology.legs import attempt_id, decode_body, prefill_body
+
+log = logging.getLogger(__name__)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Failures of the engine, not of the request: unreachable, 5xx, broken non-streaming reply.
+    Not: client errors (4xx), timeouts (the request may be what is slow), errors inside a stream."""
+    return isinstance(exc, UpstreamUnavailable) and not isinstance(exc, EngineStreamError)
+
+
+class Dispatcher:
+    def __init__(self, client: EngineClient, registry: EngineRegistry, scheduler: Scheduler,
+                 admission: AdmissionController, resilience: ResilienceSettings,
+                 topology: TopologySettings, metrics: Metrics | None = None) -> None:
+        self._client = client
+        self._registry = registry
+        self._scheduler = scheduler
+        self._admission = admission
+        self._resilience = resilience
+        self._topology = topology
+        self._metrics = metrics
+
+    # -- public: what the pipeline calls ----------------------------------------------------------
+    async def generate(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
+        """Non-streaming: nothing reaches the client before the whole answer, so any engine failure
+        may be retried elsewhere."""
+        req = self._sched_request(ctx, plan)
+        async for attempt in self._retrying(req):
+            with attempt:
+                return await self._generate_once(plan, req)
+        raise AssertionError("unreachable: tenacity re-raises the last failure")
+
+    @contextlib.asynccontextmanager
+    async def stream(self, ctx: RequestContext,
+                     plan: PromptPlan) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Streaming: retries cover admission and opening the engine stream (every leg up to the
+        decode engine's HTTP 200); once chunks flow, a failure ends the response."""
+        req = self._sched_request(ctx, plan)
+        opened: tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]] | None = None
+        async for attempt in self._retrying(req):
+            with attempt:
+                opened = await self._open_once(ctx, plan, req)
+        assert opened is not None
+        grant, stack, chunks = opened
+        try:
+            yield chunks
+        finally:
+            try:
+                await stack.aclose()
+            finally:
+                self._release(grant)
+
+    # -- one attempt --------------------------------------------------------------------------------
+    async def _generate_once(self, plan: PromptPlan, req: SchedRequest) -> dict[str, Any]:
+        grant = await self._admit(req)
+        try:
+            params, prefill = await self._prefill_leg(grant, plan, req)
+            engine = grant.placement.engine
+            rid = attempt_id(plan.generate["request_id"])
+            try:
+                resp = await self._client.generate(engine, decode_body(plan.generate, params), rid)
+            except BaseException as exc:
+                self._failed(engine, exc, req)
+                if prefill is not None:
+                    self._release_prefill(prefill)
+                raise
+            self._registry.record_success(engine)
+            return resp
+        finally:
+            self._release(grant)
+
+    async def _open_once(self, ctx: RequestContext, plan: PromptPlan, req: SchedRequest
+                         ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]]:
+        grant = await self._admit(req)
+        stack = contextlib.AsyncExitStack()
+        try:
+            params, prefill = await self._prefill_leg(grant, plan, req)
+            engine = grant.placement.engine
+            if prefill is not None:
+                stack.callback(self._release_unless_consumed, prefill)
+            rid = attempt_id(plan.generate["request_id"])
+            try:
+                chunks = await stack.enter_async_context(self._client.stream(
+                    engine, decode_body(plan.generate, params), rid, include_usage=ctx.include_usage))
+            except BaseException as exc:
+                self._failed(engine, exc, req)
+                raise
+            self._registry.record_success(engine)
+            return grant, stack, self._watch(chunks, engine, prefill)
+        except BaseException:
+            await stack.aclose()
+            self._release(grant)
+            raise
+
+    @staticmethod
+    async def _watch(chunks: AsyncIterator[dict[str, Any]], engine: Engine,
+                     prefill: _PrefillHold | None) -> AsyncIterator[dict[str, Any]]:
+        async for chunk in chunks:
+            if prefill is not None:
+                prefill.consumed = True  # decoding started: the decode engine has pulled the KV
+            yield chunk
+
+    async def _prefill_leg(self, grant: Grant, plan: PromptPlan, req: SchedRequest
+                           ) -> tuple[dict[str, Any] | None, _PrefillHold | None]:
+        """Run the prefill leg if the placement has one; give its budget share back as soon as it ends."""
+        pre = grant.placement.prefill
+        if pre is None:
+            return None, None
+        rid = attempt_id(plan.generate["request_id"], "p")
+        try:
+            resp = await self._client.generate(
+                pre, prefill_body(plan.generate, self._topology.prefill_kv_transfer_params), rid)
+        except BaseException as exc:
+            self._failed(pre, exc, req)
+            raise
+        finally:
+            grant.release_engine(pre)
+        self._registry.record_success(pre)
+        params = resp.get("kv_transfer_params")
+        return (params if isinstance(params, dict) else None), _PrefillHold(pre, rid)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _sched_request(self, ctx: RequestContext, plan: PromptPlan) -> SchedRequest:
+        salt = plan.generate.get("cache_salt")
+        return SchedRequest(request_id=plan.generate["request_id"], model=ctx.model,
+                            prompt_token_ids=plan.prompt_token_ids, max_tokens=plan.max_tokens, n=plan.n,
+                            priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None)
+
+    async def _admit(self, req: SchedRequest) -> Grant:
+        return await self._admission.admit(req, self._scheduler.place,
+                                           prefill_tokens=lambda p: req.prompt_tokens + 1)
+
+    def _retrying(self, req: SchedRequest) -> AsyncRetrying:
+        r = self._resilience
+
+        def worth_retrying(exc: BaseException) -> bool:
+            return retryable(exc) and self._scheduler.has_other_engine(req)
+
+        def count(state: RetryCallState) -> None:
+            if self._metrics is not None:
+                self._metrics.retries.inc()
+            log.warning("retrying %s on another engine after: %s", req.request_id,
+                        state.outcome.exception() if state.outcome else None)
+
+        wait = wait_random_exponential(multiplier=r.backoff_initial_s, max=r.backoff_max_s)
+        return AsyncRetrying(stop=stop_after_attempt(1 + r.retries), wait=wait,
+                             retry=retry_if_exception(worth_retrying), before_sleep=count, reraise=True)
+
+    def _release(self, grant: Grant) -> None:
+        grant.release()
+        for engine in grant.placement.engines:
+            self._registry.on_idle(engine)  # a removed engine leaves the pool once its last request ends
+
+    def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
+        """Feed the breaker and steer a retry away from this engine."""
+        if isinstance(exc, asyncio.CancelledError):
+            self._registry.release_trial(engine)
+        elif isinstance(exc, UpstreamClientError):
+            self._registry.record_success(engine)  # the engine answered; the request was at fault
+        elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
+            req.exclude.add(engine.url)
+            if self._metrics is not None:
+                self._metrics.engine_failures.labels(engine.url).inc()
+            if type(exc).__name__ == "EngineUnreachable":
+                self._registry.mark_failed(engine)
+            else:
+                self._registry.record_failure(engine)
+
+    def _release_prefill(self, hold: _PrefillHold) -> None:
+        """The decode leg will not consume the prefill's KV: ask the prefill engine to drop it now rather
+        than hold it until the connector's lease runs out."""
+        self._client.abort_soon(hold.engine, hold.request_id)
+
+    def _release_unless_consumed(self, hold: _PrefillHold) -> None:
+        if not hold.consumed:
+            self._release_prefill(hold)
+
+
+@dataclass
+class _PrefillHold:
+    """A finished prefill leg whose KV waits on the prefill engine for the decode engine to pull it."""
+
+    engine: Engine
+    request_id: str
+    consumed: bool = False
+
+
+__all__ = ["Dispatcher", "Placement", "retryable"]

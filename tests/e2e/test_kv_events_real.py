@@ -1,0 +1,124 @@
+"""The precise prefix index fed by a real CPU vLLM engine's KV events.
+
+Self-contained (starts and stops its own tokens-only engine with ZMQ KV events), so it runs alone:
+``.venv/bin/python -m pytest -q tests/e2e/test_kv_events_real.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.kv_events import KvEventSubscriber, PreciseIndexSource
+from tests.conftest import MAX_MODEL_LEN, SERVED
+
+pytestmark = pytest.mark.e2e
+
+BS = 16  # the coordinator's index block size; the CPU engine's KV blocks are 128 tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokens(seed: int, n: int = 700) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(20, 40000) for _ in range(n)]
+
+
+def ours(prompt: list[int], salt: str | None = None) -> list[int]:
+    return block_hashes(prompt, BS, chain_seed(SERVED, salt))
+
+
+@pytest.fixture(scope="module")
+def kv_engine(model_dir: Path, logs_dir: Path) -> Iterator[tuple[Any, int]]:
+    from token_engine.launch import VllmEngine
+
+    events_port = free_port()
+    engine = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "kv-events-engine.log", echo=False,
+                        name="kv-events", kv_events_config={
+                            "enable_kv_cache_events": True, "publisher": "zmq",
+                            "endpoint": f"tcp://*:{events_port}", "topic": "kv"})
+    try:
+        engine.start()
+        engine.wait_ready(timeout=600)
+        yield engine, events_port
+    finally:
+        engine.stop()
+
+
+async def generate(client: httpx.AsyncClient, url: str, prompt: list[int], rid: str, **extra: Any) -> None:
+    body = {"request_id": rid, "model": SERVED, "token_ids": prompt,
+            "sampling_params": {"max_tokens": 2, "temperature": 0}, **extra}
+    resp = await client.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+
+
+async def until(cond: Callable[[], bool], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+async def joined(client: httpx.AsyncClient, url: str, sub: KvEventSubscriber) -> None:
+    """Wait out ZMQ's slow joiner: send fresh prompts until one of their events arrives."""
+    for i in range(10):
+        await generate(client, url, tokens(1000 + i, 200), f"kv-warmup-{i}")
+        if await until(lambda: sub.mirror.stats.batches > 0, within=2.0):
+            return
+    pytest.fail("no KV event batch reached the subscriber")
+
+
+async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, int]) -> None:
+    engine, events_port = kv_engine
+    index = PrefixIndex()
+    source = PreciseIndexSource(index, lambda url: SERVED, BS, topic="kv")
+    try:
+        sub = await source.attach(engine.url, f"tcp://*:{events_port}")
+        mirror = sub.mirror
+        async with httpx.AsyncClient() as client:
+            await joined(client, engine.url, sub)
+
+            prompt = tokens(1)
+            await generate(client, engine.url, prompt, "kv-1")
+            assert await until(lambda: engine.url in index.match(ours(prompt)))
+            ebs = mirror.stats.engine_block_size
+            assert ebs is not None and ebs % BS == 0, ebs
+            full = len(prompt) // ebs * ebs // BS  # 5 engine blocks of 128 → 40 of ours
+            assert index.match(ours(prompt)) == {engine.url: full}
+            assert index.match(ours(tokens(2))) == {}
+            assert index.match(ours(prompt, salt="tenant1")) == {}
+
+            # Shares 300 tokens with ``prompt``: the engine stores only the new blocks, chained to
+            # the last shared one, so the run is placed through its parent.
+            branch = prompt[:300] + tokens(3, 400)
+            await generate(client, engine.url, branch, "kv-2")
+            assert await until(lambda: index.match(ours(branch)).get(engine.url, 0) == full)
+            assert mirror.stats.unknown_parent == 0
+
+            # cache_salt is in the first block's extra_keys and seeds a separate chain.
+            await generate(client, engine.url, prompt, "kv-3", cache_salt="tenant1")
+            assert await until(lambda: index.match(ours(prompt, salt="tenant1")) == {engine.url: full})
+            assert index.match(ours(prompt)) == {engine.url: full}
+
+            assert sub.gaps == 0 and sub.bad_frames == 0 and mirror.stats.bad_payloads == 0
+            assert mirror.stats.other_medium == 0  # the CPU engine labels its primary pool "GPU"
+    finally:
+        await source.stop_all()
+    assert index.blocks(engine.url) == 0

@@ -1,0 +1,100 @@
+"""P/D handoff between two real CPU vLLM engines (ExampleConnector over a shared directory).
+
+The prefill engine computes the prompt's KV and stops after one token; the decode engine loads that
+KV (its ``vllm:external_prefix_cache_hits`` counter shows it) and generates. The answer must be the
+same, token for token, as a single union engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MAX_MODEL_LEN, SERVED, VllmStack, _echo, make_settings
+from tests.support import CoordinatorServer, free_port, sse_events, streamed_text
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pd_pair(model_dir: Path, logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from token_engine.launch import VllmEngine
+
+    shared = tmp_path_factory.mktemp("kv-shared")
+    connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": str(shared)}}
+    pair = [VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
+                       max_model_len=MAX_MODEL_LEN, log_path=logs_dir / f"{name}.log", echo=_echo(),
+                       kv_transfer_config=connector, name=name) for name in ("prefill", "decode")]
+    try:
+        for e in pair:
+            e.start()
+        for e in pair:
+            e.wait_ready(timeout=600)
+        yield pair
+    finally:
+        for e in pair:
+            e.stop()
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == name
+               for s in fam.samples if s.name.endswith("_total"))
+
+
+def long_chat(topic: str, **extra: Any) -> dict[str, Any]:
+    context = " ".join(f"Note {i}: {topic} item {i} weighs {i * 37 % 101} grams." for i in range(40))
+    return {"model": SERVED, "temperature": 0, "max_tokens": 24,
+            "messages": [{"role": "system", "content": context},
+                         {"role": "user", "content": f"Summarise the {topic} notes in one sentence."}], **extra}
+
+
+def test_handoff_output_equals_union(vllm_stack: VllmStack, pd_pair: Any) -> None:
+    prefill, decode = pd_pair
+    engines = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    pd_settings = make_settings(vllm_stack.render_url, [], engines=engines,
+                                topology={"mode": "handoff", "pd_min_uncached_tokens": 0})
+    union_settings = make_settings(vllm_stack.render_url, [vllm_stack.engine.url])
+    loaded_before = counter(decode.url, "vllm:external_prefix_cache_hits")
+    with CoordinatorServer(pd_settings) as pd, CoordinatorServer(union_settings) as union:
+        for body in (long_chat("apple"), long_chat("pear", stream=True, stream_options={"include_usage": True})):
+            got = httpx.post(f"{pd.url}/v1/chat/completions", json=body, timeout=180)
+            want = httpx.post(f"{union.url}/v1/chat/completions", json=body, timeout=180)
+            assert got.status_code == want.status_code == 200, got.text
+            if body.get("stream"):
+                g, w = sse_events(got), sse_events(want)
+                assert streamed_text(g) == streamed_text(w) and streamed_text(g)[0]
+                assert g[-2]["usage"] == w[-2]["usage"]
+            else:
+                g, w = got.json(), want.json()
+                assert g["choices"][0]["message"] == w["choices"][0]["message"]
+                assert g["choices"][0]["finish_reason"] == w["choices"][0]["finish_reason"]
+                assert g["usage"] == w["usage"]
+        paths = {s.labels["path"]: s.value for fam in pd.components.metrics.registry.collect()
+                 if fam.name == "coordinator_pd_decisions" for s in fam.samples if s.name.endswith("_total")}
+        assert paths.get("handoff") == 2
+    # The decode engine loaded the prompt KV the prefill engine stored (not a local prefill).
+    assert counter(decode.url, "vllm:external_prefix_cache_hits") - loaded_before >= 2 * 128
+    # The prefill engine generated one token per request (the prefill leg's max_tokens=1).
+    assert counter(prefill.url, "vllm:generation_tokens") == 2
+
+
+def test_short_prompt_skips_remote_prefill(vllm_stack: VllmStack, pd_pair: Any) -> None:
+    """Conditional P/D: below the threshold of uncached tokens the decode engine prefills itself."""
+    prefill, decode = pd_pair
+    engines = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    settings = make_settings(vllm_stack.render_url, [], engines=engines,
+                             topology={"mode": "handoff", "pd_min_uncached_tokens": 512})
+    prefill_requests = counter(prefill.url, "vllm:request_success")
+    with CoordinatorServer(settings) as pd:
+        r = httpx.post(f"{pd.url}/v1/chat/completions", timeout=120,
+                       json={"model": SERVED, "messages": [{"role": "user", "content": "Hi!"}],
+                             "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert counter(prefill.url, "vllm:request_success") == prefill_requests

@@ -1,0 +1,287 @@
+"""The precise prefix-index source: vLLM-encoded KV events → our ``PrefixIndex``.
+
+Payloads are built with vLLM's own event classes, so a change in vLLM's wire format breaks these
+tests rather than production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.kv_events import (
+    KvEventMirror,
+    KvEventSubscriber,
+    PreciseIndexSource,
+)
+
+kv = pytest.importorskip("vllm.distributed.kv_events")
+
+MODEL = "m"
+ENGINE = "http://e1:8000"
+BS = 16
+PROMPT = [20 + (i * 37) % 30000 for i in range(300)]
+OTHER = [40 + (i * 11) % 30000 for i in range(300)]
+ENC = msgspec.msgpack.Encoder()
+
+
+def ours(tokens: list[int], salt: str | None = None, model: str = MODEL) -> list[int]:
+    return block_hashes(tokens, BS, chain_seed(model, salt))
+
+
+def eh(tokens: list[int], tag: str = "") -> bytes:
+    """A stand-in for vLLM's sha256 block hash (the mirror never recomputes it)."""
+    return hashlib.sha256(f"{tag}{tokens}".encode()).digest()
+
+
+def stored(tokens: list[int], hashes: list[Any], parent: Any = None, block_size: int = BS,
+           medium: str | None = "GPU", lora_name: str | None = None,
+           extra_keys: list[Any] | None = None) -> Any:
+    return kv.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                          block_size=block_size, lora_id=None, medium=medium, lora_name=lora_name,
+                          extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind="full_attention")
+
+
+def removed(hashes: list[Any], medium: str | None = "GPU") -> Any:
+    return kv.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
+
+
+def payload(*events: Any) -> bytes:
+    return ENC.encode(kv.KVEventBatch(ts=time.time(), events=list(events)))
+
+
+def run_of(tokens: list[int], block_size: int, start: int = 0, tag: str = "") -> tuple[list[int], list[bytes]]:
+    """Tokens of the full engine blocks from block ``start`` on, and their (fake) engine hashes."""
+    n = len(tokens) // block_size
+    return (tokens[start * block_size:n * block_size],
+            [eh(tokens[:(i + 1) * block_size], tag) for i in range(start, n)])
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    return PrefixIndex()
+
+
+@pytest.fixture
+def mirror(index: PrefixIndex) -> KvEventMirror:
+    return KvEventMirror(index, ENGINE, MODEL, BS)
+
+
+def test_stored_removed_cleared(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)  # 18 blocks
+    assert index.match(ours(PROMPT)) == {}
+    assert mirror.apply_payload(payload(stored(toks, hs)))
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+    assert index.match(ours(OTHER)) == {}
+
+    mirror.apply_payload(payload(removed(hs[10:])))  # LRU evicts the tail first
+    assert index.match(ours(PROMPT)) == {ENGINE: 10}
+    assert mirror.engine_blocks == 10
+
+    mirror.apply_payload(payload(kv.AllBlocksCleared()))
+    assert index.match(ours(PROMPT)) == {}
+    assert mirror.engine_blocks == 0 and index.blocks(ENGINE) == 0
+
+
+def test_chained_runs_follow_the_parent(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)
+    mirror.apply_payload(payload(stored(toks[:5 * BS], hs[:5])))
+    mirror.apply_payload(payload(stored(toks[5 * BS:], hs[5:], parent=hs[4])))
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+
+    # A branch: shares 3 blocks with PROMPT, then diverges (parent = engine block 3).
+    branch = PROMPT[:3 * BS] + OTHER[:5 * BS]
+    btoks, bhs = run_of(branch, BS, start=3, tag="b")
+    mirror.apply_payload(payload(stored(btoks, bhs, parent=hs[2])))
+    assert index.match(ours(branch)) == {ENGINE: 8}
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+
+
+def test_cache_salt_separates_tenants(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS, tag="salted")
+    keys: list[Any] = [("tenant1",)] + [None] * (len(hs) - 1)
+    mirror.apply_payload(payload(stored(toks, hs, extra_keys=keys)))
+    assert index.match(ours(PROMPT, salt="tenant1")) == {ENGINE: 18}
+    assert index.match(ours(PROMPT)) == {}
+    assert index.match(ours(PROMPT, salt="tenant2")) == {}
+
+
+def test_lora_runs_are_seeded_with_the_adapter_name(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS, tag="lora")
+    keys: list[Any] = [("sql-lora", "tenant1")] + [("sql-lora",)] * (len(hs) - 1)
+    mirror.apply_payload(payload(stored(toks, hs, lora_name="sql-lora", extra_keys=keys)))
+    assert index.match(ours(PROMPT, salt="tenant1", model="sql-lora")) == {ENGINE: 18}
+    assert index.match(ours(PROMPT, salt="tenant1")) == {}
+    assert index.match(ours(PROMPT, model="sql-lora")) == {}
+
+
+def test_engine_blocks_of_128_become_eight_of_ours(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    prompt = [20 + (i * 37) % 30000 for i in range(700)]
+    toks, hs = run_of(prompt, 128)
+    assert len(hs) == 5
+    mirror.apply_payload(payload(stored(toks, hs, block_size=128)))
+    assert index.match(ours(prompt)) == {ENGINE: 40}
+    assert index.blocks(ENGINE) == 40
+
+    mirror.apply_payload(payload(removed([hs[-1]])))
+    assert index.match(ours(prompt)) == {ENGINE: 32}
+    assert index.blocks(ENGINE) == 32
+
+    # A prompt sharing 300 tokens matches 18 of our blocks (288 tokens), though the engine can only
+    # reuse its 2 full blocks (256 tokens): a finer index overclaims by less than one engine block.
+    assert index.match(ours(prompt[:300] + OTHER)) == {ENGINE: 18}
+
+
+def test_block_size_not_a_multiple_is_skipped(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, 24)
+    mirror.apply_payload(payload(stored(toks, hs, block_size=24)))
+    assert index.blocks(ENGINE) == 0
+    assert mirror.stats.unsupported_block_size == 1
+
+
+def test_unknown_parent_is_skipped_and_counted(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)
+    mirror.apply_payload(payload(stored(toks[5 * BS:], hs[5:], parent=hs[4])))
+    assert index.blocks(ENGINE) == 0
+    assert mirror.stats.unknown_parent == 1
+    mirror.apply_payload(payload(removed(hs)))  # removing blocks we never placed is harmless
+    assert mirror.stats.blocks_removed == 0
+
+
+def test_offload_tier_events_are_ignored(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)
+    mirror.apply_payload(payload(stored(toks, hs, medium="CPU")))
+    assert index.blocks(ENGINE) == 0
+    mirror.apply_payload(payload(stored(toks, hs, medium=None)))
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+    mirror.apply_payload(payload(removed(hs, medium="CPU")))  # the offload copy left; ours did not
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+    assert mirror.stats.other_medium == 2
+
+
+def test_multimodal_blocks_are_not_indexed(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)
+    keys: list[Any] = [None, None, (("img-sha", 0),)] + [None] * (len(hs) - 3)
+    mirror.apply_payload(payload(stored(toks, hs, extra_keys=keys)))
+    assert index.match(ours(PROMPT)) == {ENGINE: 2}
+    assert mirror.stats.unhashable_blocks == 16
+
+
+def test_int_hashes_and_re_reports(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, _ = run_of(PROMPT, BS)
+    hs = list(range(1000, 1018))
+    mirror.apply_payload(payload(stored(toks, hs)))
+    mirror.apply_payload(payload(stored(toks, hs)))  # "full" report mode re-sends cache hits
+    mirror.apply_payload(payload(removed(hs)))
+    assert index.blocks(ENGINE) == 0 and mirror.engine_blocks == 0
+
+
+def test_shared_hash_of_ours_survives_until_its_last_engine_block_goes(
+        index: PrefixIndex, mirror: KvEventMirror) -> None:
+    toks, hs = run_of(PROMPT, BS)
+    lora_hs = [eh(toks[:i], "lora") for i in range(len(hs))]  # a LoRA run the engine keys apart
+    mirror.apply_payload(payload(stored(toks, hs)))
+    mirror.apply_payload(payload(stored(toks, lora_hs, lora_name=MODEL, extra_keys=[(MODEL,)] * len(hs))))
+    mirror.apply_payload(payload(removed(hs)))
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+    mirror.apply_payload(payload(removed(lora_hs)))
+    assert index.match(ours(PROMPT)) == {}
+
+
+def test_garbage_and_unknown_events(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    assert not mirror.apply_payload(b"\xff\x00 not msgpack")
+    assert not mirror.apply_payload(ENC.encode({"ts": 1}))
+    assert mirror.stats.bad_payloads == 2
+
+    toks, hs = run_of(PROMPT, BS)
+    good = msgspec.msgpack.decode(ENC.encode(stored(toks, hs)))
+    good["some_future_field"] = [1, 2]
+    batch = [time.time(), [{"type": "BlockMoved", "x": 1}, {"type": "BlockStored"}, good], 0]
+    assert mirror.apply_payload(ENC.encode(batch))
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}
+
+
+def test_sequence_gaps_and_publisher_restarts(index: PrefixIndex, mirror: KvEventMirror) -> None:
+    sub = KvEventSubscriber("tcp://127.0.0.1:1", mirror)
+    toks, hs = run_of(PROMPT, BS)
+
+    def msg(seq: int, *events: Any) -> list[bytes]:
+        return [b"kv", seq.to_bytes(8, "big"), payload(*events)]
+
+    sub.handle(msg(4, stored(toks, hs)))
+    sub.handle(msg(5))
+    sub.handle(msg(9))
+    assert (sub.gaps, sub.missed, sub.last_seq) == (1, 3, 9)
+    assert index.match(ours(PROMPT)) == {ENGINE: 18}  # kept: stale beats blind
+
+    sub.handle(msg(0))  # a restarted engine starts over at 0 with an empty cache
+    assert sub.restarts == 1 and index.blocks(ENGINE) == 0
+
+    sub.handle([b"kv", b"short"])
+    sub.handle([b"kv", b"12345678", b"\xc1garbage"])
+    assert sub.bad_frames == 1 and mirror.stats.bad_payloads == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_for(cond: Any, publish: Any = None, within: float = 5.0) -> bool:
+    """Poll ``cond``; republish meanwhile, because a fresh SUB misses what was sent before it joined."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if publish is not None:
+            await publish()
+        await asyncio.sleep(0.02)
+    return bool(cond())
+
+
+async def test_zmq_round_trip() -> None:
+    index = PrefixIndex()
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://*:{port}")
+    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx)
+    seq = 0
+    toks, hs = run_of(PROMPT, BS)
+
+    async def send(*events: Any, topic: bytes = b"kv") -> None:
+        nonlocal seq
+        await pub.send_multipart([topic, seq.to_bytes(8, "big"), payload(*events)])
+        seq += topic == b"kv"
+
+    try:
+        sub = await source.attach(ENGINE, f"tcp://*:{port}")  # our own config may copy the bind address
+        assert sub.endpoint == f"tcp://e1:{port}"
+        await source.detach(ENGINE)
+        sub = await source.attach(ENGINE, f"tcp://127.0.0.1:{port}")
+        assert await source.attach(ENGINE, f"tcp://127.0.0.1:{port}") is sub
+
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18}, lambda: send(stored(toks, hs)))
+        await send(stored(toks, hs), topic=b"other")  # another topic: filtered by the SUB socket
+        await send(removed(hs[9:]))
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 9})
+        assert sub.gaps == 0
+
+        await source.stop_all()
+        assert index.blocks(ENGINE) == 0 and not sub.running and source.subscribers == {}
+    finally:
+        await source.stop_all()
+        pub.close(linger=0)
+        ctx.term()
