@@ -259,6 +259,14 @@ class Settings(BaseSettings):
 
 def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
     """Build the tree from (in rising priority) defaults, the YAML file, the environment, ``overrides``."""
-    if path is not None:
-        os.environ["COORD_CONFIG"] = str(path)
-    return Settings(**overrides)
+    if path is None:
+        return Settings(**overrides)
+    previous = os.environ.get("COORD_CONFIG")
+    os.environ["COORD_CONFIG"] = str(path)
+    try:
+        return Settings(**overrides)
+    finally:  # the file is this call's source, not the process's from now on
+        if previous is None:
+            del os.environ["COORD_CONFIG"]
+        else:
+            os.environ["COORD_CONFIG"] = previous

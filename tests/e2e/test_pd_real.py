@@ -55,6 +55,18 @@ def long_chat(topic: str, **extra: Any) -> dict[str, Any]:
                          {"role": "user", "content": f"Summarise the {topic} notes in one sentence."}], **extra}
 
 
+def storable(render_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """ExampleConnector stores a prompt's first ``(L-1)//128*128`` tokens but looks up
+    ``(L-2)//128*128``: when ``L-1`` is a multiple of the block size the two keys differ and the decode
+    engine never finds the stored KV (a quirk of that debug connector, not of the handoff). Nudge the
+    prompt out of that case."""
+    while True:
+        ids = httpx.post(f"{render_url}/v1/chat/completions/render", json=body, timeout=30).json()["token_ids"]
+        if (len(ids) - 1) % 128:
+            return body
+        body["messages"][-1]["content"] += " Thanks."
+
+
 def test_handoff_output_equals_union(vllm_stack: VllmStack, pd_pair: Any) -> None:
     prefill, decode = pd_pair
     engines = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
@@ -64,6 +76,7 @@ def test_handoff_output_equals_union(vllm_stack: VllmStack, pd_pair: Any) -> Non
     loaded_before = counter(decode.url, "vllm:external_prefix_cache_hits")
     with CoordinatorServer(pd_settings) as pd, CoordinatorServer(union_settings) as union:
         for body in (long_chat("apple"), long_chat("pear", stream=True, stream_options={"include_usage": True})):
+            body = storable(vllm_stack.render_url, body)
             got = httpx.post(f"{pd.url}/v1/chat/completions", json=body, timeout=180)
             want = httpx.post(f"{union.url}/v1/chat/completions", json=body, timeout=180)
             assert got.status_code == want.status_code == 200, got.text

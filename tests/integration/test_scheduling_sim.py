@@ -408,11 +408,20 @@ def test_failed_decode_reruns_prefill_never_reuses_stale_params(render_sidecar: 
 
 def test_client_leaving_after_prefill_releases_the_prefill_kv(render_sidecar: Any,
                                                               coordinator_factory: CoordinatorFactory) -> None:
-    with (SimulatedEngine(SimConfig(model=SERVED, kv_role="prefill", engine_id="p0")) as p,
-          SimulatedEngine(SimConfig(model=SERVED, kv_role="decode", engine_id="d0")) as d):
+    """The decode leg waits in a busy decode engine when the client gives up: the coordinator aborts it
+    there, and the decode side tells the prefill engine to free the blocks it pinned for the transfer
+    (vLLM's behaviour; aborting the finished prefill itself would free nothing)."""
+    with (SimulatedEngine(SimConfig(model=SERVED, kv_role="prefill", engine_id="p0",
+                                    advertise_peer_url=True)) as p,
+          SimulatedEngine(SimConfig(model=SERVED, kv_role="decode", engine_id="d0", max_concurrency=1,
+                                    decode_s_per_token=0.01)) as d):
         coord = pd_coord(coordinator_factory, render_sidecar, p, d)
-        d.set_faults(hang=True)                         # decode never answers: the client gives up
+        in_background(httpx.post, f"{d.url}/inference/v1/generate", timeout=30, json={
+            "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1000}})
+        assert wait_until(lambda: len(d.state()["running"]) == 1)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{coord.url}/v1/chat/completions", json=chat(stream=True), timeout=0.5)
+            httpx.post(f"{coord.url}/v1/chat/completions", json=chat(stream=True), timeout=1.0)
         assert wait_until(lambda: p.state()["pinned_transfers"] == [])
+        assert p.state()["kv_transfer_released"].get("consumed") == 1   # freed by the decode side, not the lease
+        assert len(p.state()["history"]) == 1 and d.state()["completed"] == 0
         assert wait_until(lambda: released(coord))

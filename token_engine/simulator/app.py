@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -124,6 +125,15 @@ _ERROR_TYPES = {
 }
 
 
+def _received(request: GenerateRequest, raw: Request) -> dict[str, Any]:
+    sp = request.sampling_params
+    return {"request_id": raw.headers.get("X-Request-Id", request.request_id), "stream": bool(request.stream),
+            "prompt_tokens": len(request.token_ids),
+            "sampling_params": {"max_tokens": sp.max_tokens, "n": sp.n, "min_tokens": sp.min_tokens},
+            "kv_transfer_params": request.kv_transfer_params
+            or (sp.extra_args or {}).get("kv_transfer_params")}
+
+
 def _fault_response(faults: SimFaults) -> Response:
     """The injected failure: the configured body, or an ErrorResponse shaped like vLLM's for that status."""
     status = faults.fail_status
@@ -153,11 +163,15 @@ class SimServer:
         self.faults = SimFaults()
         self.registry = build_registry(self.engine)
         self.generate_calls = 0
+        self.history: deque[dict[str, Any]] = deque(maxlen=256)
+        """The last generate calls as received (id, stream, max_tokens, kv_transfer_params): lets a test
+        see what a coordinator sent to each leg of a P/D handoff."""
 
     # ------------------------------------------------------------------ generate
 
     async def serve_generate(self, request: GenerateRequest, raw: Request) -> Response:
         self.generate_calls += 1
+        self.history.append(_received(request, raw))
         if self.faults.take_failure():
             return _fault_response(self.faults)
         call_faults = self.faults.take_call()
@@ -402,6 +416,7 @@ class SimServer:
             "errored": eng.stats.errored,
             "requests_total": eng.stats.requests_total,
             "generate_calls": self.generate_calls,
+            "history": list(self.history),
             "prefix_cache": {
                 "blocks": len(eng.prefix_cache),
                 "capacity_blocks": eng.prefix_cache.capacity_blocks,

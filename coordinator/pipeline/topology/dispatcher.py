@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from tenacity import (
@@ -28,10 +27,10 @@ from coordinator.config import ResilienceSettings, TopologySettings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.engines.client import EngineClient, EngineStreamError
+from coordinator.pipeline.engines.client import EngineClient, EngineStreamError, EngineUnreachable
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
-from coordinator.pipeline.scheduling.request import Placement, SchedRequest
+from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
 from coordinator.pipeline.topology.legs import attempt_id, decode_body, prefill_body
 
@@ -90,15 +89,13 @@ class Dispatcher:
     async def _generate_once(self, plan: PromptPlan, req: SchedRequest) -> dict[str, Any]:
         grant = await self._admit(req)
         try:
-            params, prefill = await self._prefill_leg(grant, plan, req)
+            params = await self._prefill_leg(grant, plan, req)
             engine = grant.placement.engine
             rid = attempt_id(plan.generate["request_id"])
             try:
                 resp = await self._client.generate(engine, decode_body(plan.generate, params), rid)
             except BaseException as exc:
                 self._failed(engine, exc, req)
-                if prefill is not None:
-                    self._release_prefill(prefill)
                 raise
             self._registry.record_success(engine)
             return resp
@@ -110,10 +107,8 @@ class Dispatcher:
         grant = await self._admit(req)
         stack = contextlib.AsyncExitStack()
         try:
-            params, prefill = await self._prefill_leg(grant, plan, req)
+            params = await self._prefill_leg(grant, plan, req)
             engine = grant.placement.engine
-            if prefill is not None:
-                stack.callback(self._release_unless_consumed, prefill)
             rid = attempt_id(plan.generate["request_id"])
             try:
                 chunks = await stack.enter_async_context(self._client.stream(
@@ -122,26 +117,23 @@ class Dispatcher:
                 self._failed(engine, exc, req)
                 raise
             self._registry.record_success(engine)
-            return grant, stack, self._watch(chunks, engine, prefill)
+            return grant, stack, chunks
         except BaseException:
             await stack.aclose()
             self._release(grant)
             raise
 
-    @staticmethod
-    async def _watch(chunks: AsyncIterator[dict[str, Any]], engine: Engine,
-                     prefill: _PrefillHold | None) -> AsyncIterator[dict[str, Any]]:
-        async for chunk in chunks:
-            if prefill is not None:
-                prefill.consumed = True  # decoding started: the decode engine has pulled the KV
-            yield chunk
+    async def _prefill_leg(self, grant: Grant, plan: PromptPlan, req: SchedRequest) -> dict[str, Any] | None:
+        """Run the prefill leg if the placement has one; give its budget share back as soon as it ends.
 
-    async def _prefill_leg(self, grant: Grant, plan: PromptPlan, req: SchedRequest
-                           ) -> tuple[dict[str, Any] | None, _PrefillHold | None]:
-        """Run the prefill leg if the placement has one; give its budget share back as soon as it ends."""
+        Releasing the prefill engine's KV is the connectors' job and works from the decode side: in
+        vLLM a finished prefill keeps its blocks until the decode engine reads them, or the decode
+        request ends unread (an abort there notifies the prefill engine), or the lease expires;
+        aborting the finished prefill itself frees nothing. A client that leaves *during* the prefill
+        leg aborts it (the engine client does), which frees its blocks at once."""
         pre = grant.placement.prefill
         if pre is None:
-            return None, None
+            return None
         rid = attempt_id(plan.generate["request_id"], "p")
         try:
             resp = await self._client.generate(
@@ -153,7 +145,7 @@ class Dispatcher:
             grant.release_engine(pre)
         self._registry.record_success(pre)
         params = resp.get("kv_transfer_params")
-        return (params if isinstance(params, dict) else None), _PrefillHold(pre, rid)
+        return params if isinstance(params, dict) else None
 
     # -- helpers --------------------------------------------------------------------------------------
     def _sched_request(self, ctx: RequestContext, plan: PromptPlan) -> SchedRequest:
@@ -197,28 +189,10 @@ class Dispatcher:
             req.exclude.add(engine.url)
             if self._metrics is not None:
                 self._metrics.engine_failures.labels(engine.url).inc()
-            if type(exc).__name__ == "EngineUnreachable":
+            if isinstance(exc, EngineUnreachable):
                 self._registry.mark_failed(engine)
             else:
                 self._registry.record_failure(engine)
 
-    def _release_prefill(self, hold: _PrefillHold) -> None:
-        """The decode leg will not consume the prefill's KV: ask the prefill engine to drop it now rather
-        than hold it until the connector's lease runs out."""
-        self._client.abort_soon(hold.engine, hold.request_id)
 
-    def _release_unless_consumed(self, hold: _PrefillHold) -> None:
-        if not hold.consumed:
-            self._release_prefill(hold)
-
-
-@dataclass
-class _PrefillHold:
-    """A finished prefill leg whose KV waits on the prefill engine for the decode engine to pull it."""
-
-    engine: Engine
-    request_id: str
-    consumed: bool = False
-
-
-__all__ = ["Dispatcher", "Placement", "retryable"]
+__all__ = ["Dispatcher", "retryable"]

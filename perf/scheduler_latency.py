@@ -1,0 +1,355 @@
+"""How long one scheduling decision takes with a full prefix index (16 engines x 10,000 blocks each).
+
+The scheduler runs synchronously on the coordinator's event loop (admission calls ``place`` for every
+request and again for every queued waiter it retries), so its cost is paid per request and blocks all
+other streams while it runs. Measured: ``Scheduler.place`` on a fresh ``SchedRequest`` (so the chained
+block hashes are computed), with the production wiring: approximate prefix index with
+``capacity_blocks`` = 10,000 so it stays full while ``learn`` adds every routed prompt, a ``Metrics``
+object, static engine loads for the ``load`` scorer. Baselines in the same run and on identical
+request streams: ``least_load`` and ``round_robin`` (same index configuration, as a config that only
+changes ``policy`` gets), and ``round_robin`` without any index (``source: none``, the floor).
+
+Workload (seeded): multi-turn conversations on 24 shared system prompts (popularity skewed). Each
+request is a continuation of an earlier conversation (50 %: shares its whole indexed prefix), a new
+conversation on a known system prompt (30 %: shares the system prompt, held by many engines) or cold
+(20 %). The index is pre-filled with such conversations of 1-2k tokens until every engine holds its
+capacity, then every routed request becomes part of the conversation pool.
+
+    python -m perf.scheduler_latency [--decisions 4000] [--scaling-decisions 1000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from coordinator.config import EngineSettings, PrefixIndexSettings, SchedulingSettings, Settings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.budget import TokenLedger
+from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.request import SchedRequest
+from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
+from perf._report import Progress, final_json, pct, write_report
+
+NAME = "scheduler_latency"
+MODEL = "smollm2-135m-instruct"
+TARGET_P50_MS = 0.2
+PROMPT_TOKENS = 2048
+SCALING_LENGTHS = (512, 2048, 8192)
+MAX_TOKENS = 256
+POOL_MAX = 4000
+# (label, policy, index source); the first is the one the target applies to.
+VARIANTS: tuple[tuple[str, str, str], ...] = (
+    ("affinity", "affinity", "approximate"),
+    ("least_load", "least_load", "approximate"),
+    ("round_robin", "round_robin", "approximate"),
+    ("round_robin_no_index", "round_robin", "none"),
+)
+
+
+class Workload:
+    """A seeded stream of prompts; each variant gets its own copy so all see identical requests."""
+
+    def __init__(self, seed: int, n_systems: int = 24) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.systems = [self._tokens(int(self.rng.integers(256, 769))) for _ in range(n_systems)]
+        weights = 1.0 / np.arange(1, n_systems + 1)        # Zipf-like: a few system prompts dominate
+        self.sys_p = weights / weights.sum()
+        self.pool: list[list[int]] = []
+        self.kinds = {"continuation": 0, "system": 0, "cold": 0}
+
+    def _tokens(self, n: int) -> list[int]:
+        out: list[int] = self.rng.integers(100, 49_000, size=max(0, n)).tolist()
+        return out
+
+    def conversation(self, length: int) -> list[int]:
+        sys_prompt = self.systems[int(self.rng.choice(len(self.systems), p=self.sys_p))]
+        return sys_prompt + self._tokens(length - len(sys_prompt))
+
+    def next(self, length: int) -> list[int]:
+        """A continuation keeps a long indexed prefix (the earlier turns) and adds a new turn."""
+        r = float(self.rng.random())
+        if r < 0.5 and self.pool:
+            self.kinds["continuation"] += 1
+            base = self.pool[int(self.rng.integers(len(self.pool)))]
+            keep = min(len(base), length - int(self.rng.integers(64, 257)))
+            prompt = base[:keep] + self._tokens(length - keep)
+        elif r < 0.8:
+            self.kinds["system"] += 1
+            prompt = self.conversation(length)
+        else:
+            self.kinds["cold"] += 1
+            prompt = self._tokens(length)
+        self.remember(prompt)
+        return prompt
+
+    def remember(self, prompt: list[int]) -> None:
+        if len(self.pool) < POOL_MAX:
+            self.pool.append(prompt)
+        else:
+            self.pool[int(self.rng.integers(POOL_MAX))] = prompt
+
+
+@dataclass
+class Variant:
+    label: str
+    scheduler: Scheduler
+    workload: Workload
+    samples_s: list[float]
+    matched: list[int]
+    cpu_s: list[float]
+
+
+def _settings(engines: int, source: str, policy: str, capacity: int) -> Settings:
+    os.environ.pop("COORD_CONFIG", None)
+    prefix = PrefixIndexSettings(source=source, capacity_blocks=capacity)  # type: ignore[arg-type]
+    return Settings(engines=[EngineSettings(url=f"http://engine-{i}:8000") for i in range(engines)],
+                    scheduling=SchedulingSettings(policy=policy, prefix=prefix))  # type: ignore[arg-type]
+
+
+def fill_index(engines: list[str], capacity: int, seed: int) -> tuple[PrefixIndex, list[list[int]]]:
+    """Conversations of 1-2k tokens (1-3 turns each) added engine by engine until every engine holds
+    ``capacity`` blocks; returns the index and the conversations (the pool requests continue)."""
+    index = PrefixIndex(capacity_blocks=capacity, ttl_s=PrefixIndexSettings().ttl_s)
+    wl = Workload(seed)
+    seed_hash = chain_seed(MODEL)
+    pool: list[list[int]] = []
+    block = PrefixIndexSettings().block_size
+    for url in engines:
+        while index.blocks(url) < capacity:
+            turns = int(wl.rng.integers(1, 4))
+            lengths = sorted(int(x) for x in wl.rng.integers(1024, 2049, size=turns))
+            prompt = wl.conversation(lengths[0])
+            for n in lengths:
+                prompt = prompt + wl._tokens(n - len(prompt))
+                index.add(url, block_hashes(prompt, block, seed_hash))
+            pool.append(prompt)
+    return index, pool
+
+
+def build_variant(label: str, policy: str, source: str, n_engines: int, capacity: int,
+                  filled: PrefixIndex, pool: list[list[int]], seed: int, http: httpx.AsyncClient) -> Variant:
+    settings = _settings(n_engines, source, policy, capacity)
+    registry = EngineRegistry(settings, http)
+    loads = np.random.default_rng(seed + 1)
+    for e in registry.engines:   # static load so the load scorer has something to compare
+        e.inflight_tokens = int(loads.uniform(0, 0.6) * e.token_budget)
+        e.inflight_requests = max(1, e.inflight_tokens // 2500)
+    ledger = TokenLedger(None)
+    profile = build_profile(settings.scheduling, ledger.engine_room, None)
+    prefix = settings.scheduling.prefix
+    index = copy.deepcopy(filled) if prefix.source == "approximate" else None
+    scheduler = Scheduler(registry, profile, index=index, block_size=prefix.block_size,
+                          learn=prefix.source == "approximate", topology=settings.topology, metrics=Metrics())
+    wl = Workload(seed)
+    wl.pool = list(pool)
+    return Variant(label, scheduler, wl, [], [], [])
+
+
+def run_chunk(v: Variant, n: int, length: int) -> None:
+    """Wall time is what the event loop loses; thread CPU time leaves out preemption by the other
+    processes on a shared machine, so it is the steadier estimate of the code's own cost."""
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    for i in range(n):
+        req = SchedRequest(request_id=f"{v.label}-{i}", model=MODEL, prompt_token_ids=v.workload.next(length),
+                           max_tokens=MAX_TOKENS)
+        t0, c0 = wall(), cpu()
+        placement = v.scheduler.place(req)
+        c1, t1 = cpu(), wall()
+        v.samples_s.append((t1 - t0) / 1e9)
+        v.cpu_s.append((c1 - c0) / 1e9)
+        assert placement is not None
+        v.matched.append(placement.matched_tokens)
+
+
+def stats_ms(samples_s: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {"p50_ms": round(pct(ms, 50), 4), "p90_ms": round(pct(ms, 90), 4), "p99_ms": round(pct(ms, 99), 4),
+            "mean_ms": round(statistics.fmean(ms), 4), "n": len(ms)}
+
+
+def breakdown(index: PrefixIndex, wl: Workload, n: int, length: int) -> dict[str, float]:
+    """Where an affinity decision's time goes: hashing the prompt, matching it, learning it."""
+    seed = chain_seed(MODEL)
+    probe = copy.deepcopy(index)
+    hashing: list[float] = []
+    matching: list[float] = []
+    learning: list[float] = []
+    for i in range(n):
+        prompt = wl.next(length)
+        t0 = time.perf_counter_ns()
+        hashes = block_hashes(prompt, 16, seed)
+        t1 = time.perf_counter_ns()
+        probe.match(hashes)
+        t2 = time.perf_counter_ns()
+        probe.add(f"http://engine-{i % 16}:8000", hashes)
+        t3 = time.perf_counter_ns()
+        hashing.append((t1 - t0) / 1e9)
+        matching.append((t2 - t1) / 1e9)
+        learning.append((t3 - t2) / 1e9)
+    return {"hash_p50_ms": stats_ms(hashing)["p50_ms"], "match_p50_ms": stats_ms(matching)["p50_ms"],
+            "learn_p50_ms": stats_ms(learning)["p50_ms"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=10_000, help="indexed blocks per engine")
+    ap.add_argument("--decisions", type=int, default=4000, help="timed decisions per policy at 2k tokens")
+    ap.add_argument("--scaling-decisions", type=int, default=1000, help="per policy and prompt length")
+    ap.add_argument("--chunk", type=int, default=100, help="decisions per policy before switching policy")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="smoke run: small index, few decisions")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.engines, args.blocks, args.decisions, args.scaling_decisions, args.chunk = 4, 500, 200, 60, 20
+    say = Progress(NAME)
+
+    engines = [f"http://engine-{i}:8000" for i in range(args.engines)]
+    say(f"filling the prefix index: {args.engines} engines x {args.blocks} blocks (1-2k-token conversations)")
+    filled, pool = fill_index(engines, args.blocks, args.seed)
+    fill_blocks = [filled.blocks(u) for u in engines]
+    say(f"index filled: {sum(fill_blocks)} blocks, {len(pool)} conversations")
+
+    http = httpx.AsyncClient()   # the registry wants one; nothing is probed here
+    variants = [build_variant(label, policy, source, args.engines, args.blocks, filled, pool, args.seed, http)
+                for label, policy, source in VARIANTS]
+    gc.collect()
+
+    def measure(length: int, per_variant: int) -> dict[str, dict[str, float]]:
+        for v in variants:
+            run_chunk(v, min(args.chunk, per_variant), length)   # warm-up, discarded
+            v.samples_s, v.matched, v.cpu_s = [], [], []
+        done = 0
+        while done < per_variant:
+            n = min(args.chunk, per_variant - done)
+            for v in variants:   # interleaved: machine noise hits every policy alike
+                run_chunk(v, n, length)
+            done += n
+        out: dict[str, dict[str, float]] = {}
+        for v in variants:
+            s = stats_ms(v.samples_s)
+            cpu = stats_ms(v.cpu_s)
+            s["cpu_p50_ms"], s["cpu_p99_ms"] = cpu["p50_ms"], cpu["p99_ms"]
+            s["hit_share"] = round(sum(1 for m in v.matched if m > 0) / len(v.matched), 3)
+            s["matched_tokens_mean"] = round(statistics.fmean(v.matched), 1)
+            out[v.label] = s
+        return out
+
+    say(f"timing {args.decisions} decisions per policy at {PROMPT_TOKENS} prompt tokens "
+        f"({', '.join(v.label for v in variants)}, interleaved in chunks of {args.chunk})")
+    main_run = measure(PROMPT_TOKENS, args.decisions)
+    for label, s in main_run.items():
+        say(f"  {label:22s} p50 {s['p50_ms']:.4f} ms  p99 {s['p99_ms']:.4f} ms  hits {s['hit_share']:.0%}")
+    scaling: dict[str, dict[str, dict[str, float]]] = {}
+    for length in SCALING_LENGTHS:
+        say(f"scaling: {args.scaling_decisions} decisions per policy at {length} prompt tokens")
+        scaling[str(length)] = measure(length, args.scaling_decisions)
+        say("  " + ", ".join(f"{k} p50 {v['p50_ms']:.4f} ms" for k, v in scaling[str(length)].items()))
+    aff = variants[0]
+    assert aff.scheduler.index is not None
+    say("breakdown of an affinity decision at 2k tokens (hash / match / learn)")
+    parts = breakdown(aff.scheduler.index, aff.workload, min(1000, args.decisions), PROMPT_TOKENS)
+    end_blocks = [aff.scheduler.index.blocks(u) for u in engines]
+    asyncio.run(http.aclose())
+
+    a, rr, ll = main_run["affinity"], main_run["round_robin"], main_run["least_load"]
+    figures: dict[str, Any] = {
+        "engines": args.engines, "blocks_per_engine": args.blocks, "prompt_tokens": PROMPT_TOKENS,
+        "max_tokens": MAX_TOKENS, "decisions": args.decisions, "quick": args.quick,
+        "index_blocks_after_fill": {"min": min(fill_blocks), "max": max(fill_blocks)},
+        "index_blocks_after_run": {"min": min(end_blocks), "max": max(end_blocks)},
+        "request_mix": aff.workload.kinds, "policies": main_run, "scaling": scaling,
+        "affinity_breakdown": parts,
+        "affinity_vs_rr_p50_ratio": round(a["p50_ms"] / rr["p50_ms"], 3),
+        "affinity_vs_least_load_p50_ratio": round(a["p50_ms"] / ll["p50_ms"], 3),
+        "target_p50_ms": TARGET_P50_MS, "target_met": a["p50_ms"] <= TARGET_P50_MS,
+    }
+    out = write_report(NAME, figures, _markdown(figures))
+    _plot(figures, out / f"{NAME}.png")
+    say(f"report: {out}/report.md, plot: {out}/{NAME}.png")
+    final_json({"benchmark": NAME, "engines": args.engines, "blocks_per_engine": args.blocks,
+                "prompt_tokens": PROMPT_TOKENS, "p50_ms": a["p50_ms"], "p99_ms": a["p99_ms"],
+                "cpu_p50_ms": a["cpu_p50_ms"], "cpu_p99_ms": a["cpu_p99_ms"],
+                "rr_p50_ms": rr["p50_ms"], "least_load_p50_ms": ll["p50_ms"],
+                "rr_no_index_p50_ms": main_run["round_robin_no_index"]["p50_ms"],
+                "affinity_vs_rr_p50_ratio": figures["affinity_vs_rr_p50_ratio"],
+                "affinity_p50_ms_8k": scaling["8192"]["affinity"]["p50_ms"],
+                "target_p50_ms": TARGET_P50_MS, "target_met": figures["target_met"]})
+
+
+def _markdown(f: dict[str, Any]) -> str:
+    rows = ["| policy (index) | p50 ms | p90 ms | p99 ms | mean ms | CPU p50 / p99 ms | "
+            "p50 ratio to affinity | decisions with a prefix hit |", "|---|---|---|---|---|---|---|---|"]
+    a50 = f["policies"]["affinity"]["p50_ms"]
+    for label, s in f["policies"].items():
+        rows.append(f"| {label} | {s['p50_ms']:.4f} | {s['p90_ms']:.4f} | {s['p99_ms']:.4f} | "
+                    f"{s['mean_ms']:.4f} | {s['cpu_p50_ms']:.4f} / {s['cpu_p99_ms']:.4f} | "
+                    f"{s['p50_ms'] / a50:.2f} | {s['hit_share']:.0%} |")
+    scale = ["| prompt tokens | " + " | ".join(f"{k} p50 / p99 ms" for k in f["policies"]) + " |",
+             "|---" * (len(f["policies"]) + 1) + "|"]
+    for length, per in f["scaling"].items():
+        scale.append(f"| {length} | " + " | ".join(f"{v['p50_ms']:.3f} / {v['p99_ms']:.3f}"
+                                                   for v in per.values()) + " |")
+    b = f["affinity_breakdown"]
+    verdict = "met" if f["target_met"] else "NOT met"
+    return (f"# Scheduler decision latency\n\n{f['engines']} engines x {f['blocks_per_engine']} indexed "
+            f"blocks (approximate index, capacity {f['blocks_per_engine']}, learning on), "
+            f"{f['decisions']} decisions per policy at {f['prompt_tokens']} prompt tokens, fresh request "
+            f"each time (hashing included).\n\n"
+            f"Target p50 ≤ {f['target_p50_ms']} ms: **{verdict}** "
+            f"(affinity p50 {a50:.4f} ms, {f['affinity_vs_rr_p50_ratio']}x round_robin).\n\n"
+            + "\n".join(rows) + "\n\nPrompt length:\n\n" + "\n".join(scale)
+            + f"\n\nAffinity at 2k tokens, by part (p50): hash {b['hash_p50_ms']:.4f} ms, match "
+            f"{b['match_p50_ms']:.4f} ms, learn {b['learn_p50_ms']:.4f} ms.\n\n"
+            f"Index blocks per engine after fill {f['index_blocks_after_fill']}, after the run "
+            f"{f['index_blocks_after_run']}; request mix {f['request_mix']}.\n\n![plot]({NAME}.png)\n")
+
+
+def _plot(f: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = list(f["policies"])
+    xs = range(len(labels))
+    left.bar([x - 0.2 for x in xs], [f["policies"][k]["p50_ms"] for k in labels], 0.4, label="p50")
+    left.bar([x + 0.2 for x in xs], [f["policies"][k]["p99_ms"] for k in labels], 0.4, label="p99")
+    left.axhline(f["target_p50_ms"], color="red", linestyle="--", linewidth=1, label="p50 target")
+    left.set_xticks(list(xs), [k.replace("_no_index", "\n(no index)") for k in labels], fontsize=8)
+    left.set_ylabel("ms per decision")
+    left.set_title(f"{f['engines']} engines x {f['blocks_per_engine']} blocks, "
+                   f"{f['prompt_tokens']}-token prompts")
+    left.legend()
+    lengths = [int(x) for x in f["scaling"]]
+    for k in labels:
+        right.plot(lengths, [f["scaling"][str(n)][k]["p50_ms"] for n in lengths], marker="o", label=k)
+    right.axhline(f["target_p50_ms"], color="red", linestyle="--", linewidth=1)
+    right.set_xscale("log", base=2)
+    right.set_xticks(lengths, [str(n) for n in lengths])
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("p50 ms per decision")
+    right.set_title("decision time vs prompt length")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

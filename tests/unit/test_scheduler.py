@@ -1,0 +1,158 @@
+"""The scheduler's decisions: filters, scorers, pickers, presets and the P/D placement rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator.config import EngineSettings, SchedulingSettings, Settings, TopologySettings
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.budget import TokenLedger
+from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.pipeline.errors import NoHealthyEngine
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.request import SchedRequest
+from coordinator.pipeline.scheduling.scheduler import NoOtherEngine, Scheduler, build_profile
+
+MODEL = "smollm2-135m-instruct"
+
+
+def make(engines: list[dict[str, Any]], policy: str = "affinity", learn: bool = True, pd_min: int = 256,
+         **sched: Any) -> tuple[Scheduler, EngineRegistry, PrefixIndex, Metrics]:
+    settings = Settings(engines=[EngineSettings(**e) for e in engines],
+                        scheduling=SchedulingSettings(policy=policy, **sched),  # type: ignore[arg-type]
+                        topology=TopologySettings(pd_min_uncached_tokens=pd_min))
+    metrics = Metrics()
+    registry = EngineRegistry(settings, httpx.AsyncClient(), metrics)
+    ledger = TokenLedger(None)
+    index = PrefixIndex()
+    profile = build_profile(settings.scheduling, ledger.engine_room, None)
+    sched = Scheduler(registry, profile, index=index, block_size=16, learn=learn,
+                      topology=settings.topology, metrics=metrics)
+    return sched, registry, index, metrics
+
+
+def req(ids: list[int], max_tokens: int = 16, **kw: Any) -> SchedRequest:
+    return SchedRequest("r", MODEL, ids, max_tokens, **kw)
+
+
+PROMPT = list(range(100, 420))  # 320 tokens = 20 blocks
+
+
+def urls(n: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"url": f"http://e{i}:8000", **extra} for i in range(n)]
+
+
+def test_affinity_prefers_the_engine_holding_the_prefix() -> None:
+    sched, _reg, index, metrics = make(urls(3), learn=False)
+    index.add("http://e2:8000", block_hashes(PROMPT[:160], 16, chain_seed(MODEL)))
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e2:8000"
+    assert placement.matched_tokens == 160
+    assert metrics.registry.get_sample_value("coordinator_prefix_hit_tokens_total") == 160
+
+
+def test_load_beats_a_small_prefix_match() -> None:
+    sched, reg, index, _ = make(urls(2), learn=False)
+    index.add("http://e0:8000", block_hashes(PROMPT[:32], 16, chain_seed(MODEL)))  # 10% of the prompt
+    reg.engines[0].inflight_tokens = reg.engines[0].token_budget // 2               # half full
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+
+
+def test_approximate_source_learns_from_its_own_decisions() -> None:
+    sched, _reg, _index, _ = make(urls(4))
+    first = sched.place(req(PROMPT))
+    assert first is not None
+    for _ in range(5):                                     # the same prefix keeps its engine
+        again = sched.place(req([*PROMPT, 7, 8, 9]))
+        assert again is not None and again.engine is first.engine
+
+
+def test_cache_salt_and_model_separate_prefixes() -> None:
+    sched, _reg, index, _ = make(urls(2), learn=False)
+    index.add("http://e1:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))
+    salted = sched.place(req(PROMPT, cache_salt="tenant-b"))
+    assert salted is not None and salted.matched_tokens == 0
+
+
+def test_round_robin_and_least_load_presets() -> None:
+    sched, reg, _, _ = make(urls(3), policy="round_robin")
+    picked = [sched.place(req(PROMPT)) for _ in range(6)]
+    assert [p.engine.url for p in picked if p] == [f"http://e{i % 3}:8000" for i in range(6)]
+    sched, reg, _, _ = make(urls(3), policy="least_load")
+    reg.engines[0].inflight_tokens = 500
+    reg.engines[2].inflight_tokens = 100
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+
+
+def test_custom_profile_uses_engine_telemetry() -> None:
+    sched, reg, _, _ = make(urls(2), policy="custom", scorers=[{"name": "queue", "weight": 1.0}])
+    reg.engines[0].telemetry.waiting = 12
+    reg.engines[1].telemetry.waiting = 0
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+
+
+def test_full_engines_mean_wait_and_no_engine_means_503() -> None:
+    sched, reg, _, _ = make(urls(2, max_inflight_tokens=400))
+    for e in reg.engines:
+        e.inflight_tokens = 300                            # 300 + 336 > 400 everywhere
+    assert sched.place(req(PROMPT)) is None               # None = wait for capacity
+    for e in reg.engines:
+        e.state = "unhealthy"
+    with pytest.raises(NoHealthyEngine):
+        sched.place(req(PROMPT))
+
+
+def test_open_breakers_and_draining_engines_are_skipped() -> None:
+    sched, reg, _, _ = make(urls(3), policy="round_robin")
+    for _ in range(3):
+        reg.engines[0].breaker.record_failure()
+    reg.drain("http://e1:8000")
+    chosen = {p.engine.url for p in (sched.place(req(PROMPT)) for _ in range(4)) if p}
+    assert chosen == {"http://e2:8000"}
+
+
+def test_retries_never_return_to_a_failed_engine() -> None:
+    sched, _reg, _, _ = make(urls(2))
+    r = req(PROMPT)
+    r.exclude.add("http://e0:8000")
+    placement = sched.place(r)
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+    assert sched.has_other_engine(r)
+    r.exclude.add("http://e1:8000")
+    assert not sched.has_other_engine(r)
+    with pytest.raises(NoOtherEngine):
+        sched.place(r)
+
+
+PD = [{"url": "http://p0:8000", "role": "prefill"}, {"url": "http://d0:8000", "role": "decode"},
+      {"url": "http://d1:8000", "role": "decode"}]
+
+
+def test_handoff_places_a_prefill_and_a_decode_engine() -> None:
+    sched, _reg, _index, metrics = make(PD, pd_min=64)
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is not None
+    assert placement.prefill.role == "prefill" and placement.engine.role == "decode"
+    assert metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": "handoff"}) == 1
+
+
+def test_conditional_pd_skips_prefill_when_the_decode_engine_has_the_prompt() -> None:
+    sched, _reg, index, metrics = make(PD, learn=False, pd_min=64)
+    index.add("http://d1:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))
+    placement = sched.place(req([*PROMPT, 1, 2, 3]))
+    assert placement is not None and placement.prefill is None and placement.engine.url == "http://d1:8000"
+    assert metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": "decode_only"}) == 1
+
+
+def test_decode_engine_prefills_itself_when_no_prefill_engine_is_healthy() -> None:
+    sched, reg, _, _ = make(PD, pd_min=0)
+    reg.engines[0].state = "unhealthy"
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
