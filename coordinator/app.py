@@ -102,6 +102,7 @@ def build_components(settings: Settings) -> Components:
         derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
         strict=settings.server.request_mode == "strict",
         queue_chunks=settings.stream.queue_chunks,
+        early_refusal=admission.check_early,
     )
     pipeline_ref.append(pipeline)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,

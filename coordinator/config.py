@@ -119,6 +119,15 @@ class PrefixIndexSettings(BaseModel):
     ttl_s: float = Field(default=900.0, gt=0, description="approximate: forget blocks not used for this long")
 
 
+class BoundedLoadSettings(BaseModel):
+    """The ``bounded_load`` picker (used by the affinity preset): no engine may take more than
+    ``max(factor x fair share, fair share + slack)`` of the decisions of the last ``window_s``."""
+
+    factor: float = Field(default=1.25, ge=1.0)
+    slack: float = Field(default=8.0, ge=0, description="extra decisions allowed above the fair share")
+    window_s: float = Field(default=30.0, gt=0)
+
+
 ScorerName = Literal["prefix", "load", "queue", "kv_usage"]
 
 
@@ -135,8 +144,9 @@ class SchedulingSettings(BaseModel):
         default_factory=lambda: [ScorerSettings(name="prefix", weight=2.0), ScorerSettings(name="load")],
         description="policy custom only",
     )
-    picker: Literal["max_score", "round_robin", "random"] = Field(default="max_score",
-                                                                    description="policy custom only")
+    picker: Literal["max_score", "bounded_load", "round_robin", "random"] = Field(
+        default="bounded_load", description="policy custom only")
+    bounded_load: BoundedLoadSettings = Field(default_factory=lambda: BoundedLoadSettings())
     prefix: PrefixIndexSettings = Field(default_factory=PrefixIndexSettings)
 
 

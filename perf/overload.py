@@ -17,10 +17,11 @@ Phases, all in one run (so every ratio compares like with like on a noisy machin
 
 1. *Uncongested TTFT* ``ttft0``: a few requests at low concurrency, p50.
 2. *Capacity*: closed loop, 2 x slots clients back to back (the admission queue keeps every slot
-   busy); capacity = successful completions per second after a warm-up.
+   busy); capacity = clients / mean response time after a warm-up (Little's law).
 3. *Overload, admission on*: Poisson arrivals at 3 x capacity. SLO: TTFT <= ``slo_factor`` x ttft0.
-   ``max_queue`` = capacity x (SLO - ttft0) / 2 (Little's law: a full queue drains in half the slack)
-   and ``queue_timeout_s`` = SLO - ttft0 (a waiter that can no longer make the SLO gets a 503).
+   ``max_queue`` = capacity x (SLO - ttft0) x ``--queue-fraction`` (0.5: by Little's law a full queue
+   drains in half the slack) and ``queue_timeout_s`` = SLO - ttft0 (a waiter that can no longer make
+   the SLO gets a 503 rather than a late first token).
 4. *Overload, admission effectively off*: the same arrivals against a huge budget and queue.
 
 Definitions: goodput = requests that *arrived* in the measured window (after a warm-up) and completed
@@ -28,6 +29,11 @@ successfully (every token, ``[DONE]``) with TTFT <= SLO, per second of window. g
 at 3 x / capacity. Reject latency: client-side, send to the 429 response. Clients give up after
 ``client_timeout_s`` (their disconnect aborts the request), which also bounds the drain of phase 4.
 leaked_budget = ``ledger.global_inflight`` + sum of ``engine.inflight_tokens`` once a phase drained.
+
+Processes: the coordinator runs alone in this process; the simulated engines and the load generator
+run in child processes. Sharing one interpreter (and its GIL, 5 ms switch interval) with four engine
+servers and the client made every 429 wait for other threads and measured the harness, not the
+coordinator.
 
     python -m perf.overload [--duration 25] [--overload 3.0] [--slo-factor 3] [--render-url URL] [--quick]
 """
@@ -38,13 +44,16 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing as mp
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -166,21 +175,24 @@ class Client:
         await self.http.aclose()
 
 
-async def closed_loop(client: Client, workers: int, duration_s: float) -> list[Outcome]:
-    """``workers`` clients, each sending its next request when the previous one ends."""
+async def closed_loop(client: Client, workers: int, slots: int, duration_s: float,
+                      service_s: float) -> list[Outcome]:
+    """``workers`` clients, each sending its next request when the previous one ends. Each engine slot
+    gets its own phase (worker i starts at (i mod slots) / slots of a service time): started together,
+    the slots finish in waves and a fixed window counts a wave too many or too few."""
     out: list[Outcome] = []
     t0 = time.perf_counter()
 
-    async def worker() -> None:
+    async def worker(i: int) -> None:
+        await asyncio.sleep((i % slots) * service_s / slots)
         while time.perf_counter() - t0 < duration_s:
             out.append(await client.one(t0, time.perf_counter() - t0))
 
-    await asyncio.gather(*(worker() for _ in range(workers)))
+    await asyncio.gather(*(worker(i) for i in range(workers)))
     return out
 
 
-async def open_loop(client: Client, rate: float, duration_s: float, seed: int,
-                    sample: Callable[[float], None] | None = None) -> list[Outcome]:
+async def open_loop(client: Client, rate: float, duration_s: float, seed: int) -> list[Outcome]:
     """Poisson arrivals at ``rate``/s: each request starts on schedule whatever the others do
     (late starts are recorded in ``sent`` - ``arrival``, the generator's own lag)."""
     rng = random.Random(seed)
@@ -191,25 +203,68 @@ async def open_loop(client: Client, rate: float, duration_s: float, seed: int,
         t += rng.expovariate(rate)
     t0 = time.perf_counter()
     tasks: list[asyncio.Task[Outcome]] = []
-    next_sample = 0.0
     for a in arrivals:
         delay = t0 + a - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        if sample is not None and a >= next_sample:
-            sample(a)
-            next_sample += 0.25
         tasks.append(asyncio.create_task(client.one(t0, a)))
     return list(await asyncio.gather(*tasks))
 
 
+def load_calibration(url: str, shape: Shape, args: argparse.Namespace, n_idle: int
+                     ) -> tuple[list[Outcome], list[Outcome]]:
+    """Child process: uncongested requests, then the closed-loop capacity run."""
+    return asyncio.run(_calibrate(url, shape, args, n_idle))
+
+
+def load_open(url: str, shape: Shape, args: argparse.Namespace, rate: float, duration_s: float
+              ) -> tuple[float, list[Outcome]]:
+    """Child process: one open-loop phase; returns its start (``perf_counter`` is system-wide on
+    Linux, so the parent can line up its samples) and the outcomes."""
+    async def run() -> tuple[float, list[Outcome]]:
+        client = Client(url, shape, args.client_timeout, args.seed + 1)
+        try:
+            await _batch(client, 4, 2)   # warm connections; not measured
+            return time.perf_counter(), await open_loop(client, rate, duration_s, args.seed)
+        finally:
+            await client.aclose()
+    return asyncio.run(run())
+
+
+def _serve_engines(configs: list[dict[str, Any]], conn: Connection) -> None:
+    """Child process: run the simulated engines until the parent says stop."""
+    engines = [SimulatedEngine(SimConfig(**c)).start() for c in configs]
+    conn.send([e.url for e in engines])
+    conn.recv()
+    for e in engines:
+        e.stop()
+
+
+@contextmanager
+def engine_process(configs: list[dict[str, Any]]) -> Iterator[list[str]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_engines, args=(configs, child), name="sim-engines", daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("simulated engines did not start")
+        urls: list[str] = parent.recv()
+        yield urls
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+
+
 # ----------------------------------------------------------------------------------- coordinator
-def coordinator_settings(render_url: str, engines: list[SimulatedEngine], *, budget: int, max_queue: int,
+def coordinator_settings(render_url: str, engines: list[str], *, budget: int, max_queue: int,
                          queue_timeout_s: float) -> Settings:
     os.environ.pop("COORD_CONFIG", None)
     return Settings(
         render=RenderSettings(url=render_url),
-        engines=[EngineSettings(url=e.url, max_inflight_tokens=budget) for e in engines],
+        engines=[EngineSettings(url=u, max_inflight_tokens=budget) for u in engines],
         models=[ModelSettings(name=SERVED)],
         admission=AdmissionSettings(max_queue=max_queue, queue_timeout_s=queue_timeout_s),
         # Enough engine connections that the no-admission run is limited by nothing but the engines.
@@ -217,12 +272,12 @@ def coordinator_settings(render_url: str, engines: list[SimulatedEngine], *, bud
     )
 
 
-def leftovers(coord: EmbeddedCoordinator, engines: list[SimulatedEngine], wait_s: float) -> dict[str, int]:
+def leftovers(coord: EmbeddedCoordinator, engines: list[str], wait_s: float) -> dict[str, int]:
     """What a drained coordinator (and its engines) still hold; all zero unless something leaked."""
     coord.wait_idle(wait_s)
     deadline = time.monotonic() + wait_s
     while True:
-        states = [e.state() for e in engines]
+        states = [httpx.get(f"{u}/sim/state", timeout=5).json() for u in engines]
         busy = sum(len(s["running"]) + len(s["waiting"]) for s in states)
         if not busy or time.monotonic() > deadline:
             break
@@ -240,8 +295,9 @@ def leaked_budget(left: dict[str, int]) -> int:
 
 
 # ------------------------------------------------------------------------------------- analysis
-def ms(values: list[float], q: float) -> float:
-    return round(pct([v * 1000 for v in values], q), 2) if values else float("nan")
+def ms(values: list[float], q: float) -> float | None:
+    """Percentile in ms; None (JSON null, not NaN) when nothing was measured."""
+    return round(pct([v * 1000 for v in values], q), 2) if values else None
 
 
 def summarize(outs: list[Outcome], window: tuple[float, float], slo_s: float) -> dict[str, Any]:
@@ -267,14 +323,14 @@ def summarize(outs: list[Outcome], window: tuple[float, float], slo_s: float) ->
 
 
 def timeline(outs: list[Outcome], duration_s: float, slo_s: float,
-             timeout_s: float) -> dict[str, list[float]]:
+             timeout_s: float) -> dict[str, list[Any]]:
     """Per 1-s arrival bin: goodput and TTFT of the requests that got through (a request that never saw
     a first token before the client gave up counts with TTFT = the client timeout, a lower bound)."""
     bins = math.ceil(duration_s)
     t: list[float] = []
     good: list[float] = []
-    p50: list[float] = []
-    p99: list[float] = []
+    p50: list[float | None] = []
+    p99: list[float | None] = []
     for b in range(bins):
         group = [o for o in outs if b <= o.arrival < b + 1]
         ttfts = [o.ttft if o.ttft is not None else timeout_s
@@ -317,8 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slo-factor", type=float, default=3.0, help="SLO: TTFT <= this x uncongested TTFT")
     ap.add_argument("--duration", type=float, default=25.0, help="seconds of overload, admission on")
     ap.add_argument("--off-duration", type=float, default=12.0, help="seconds of overload, admission off")
-    ap.add_argument("--capacity-duration", type=float, default=8.0)
+    ap.add_argument("--capacity-duration", type=float, default=12.0)
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds left out at the start of each phase")
+    ap.add_argument("--queue-fraction", type=float, default=0.5,
+                    help="max_queue = capacity x SLO slack x this (the share of the slack queueing may use)")
     ap.add_argument("--client-timeout", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--render-url", default=None, help="use this render sidecar instead of starting one")
@@ -326,23 +384,25 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.engines, args.concurrency, args.ttft_ms, args.decode_ms, args.max_tokens = 2, 2, 50.0, 10.0, 16
-        args.duration, args.off_duration, args.capacity_duration, args.warmup = 4.0, 3.0, 2.5, 0.5
-        args.client_timeout = 2.0
+        args.duration, args.off_duration, args.capacity_duration, args.warmup = 3.0, 2.0, 2.0, 0.5
+        args.client_timeout = 1.5
     shape = Shape(args.engines, args.concurrency, args.ttft_ms / 1000, args.decode_ms / 1000,
                   args.prompt_tokens, args.max_tokens)
     say = Progress(NAME)
 
     with ExitStack() as stack:
         render_url = stack.enter_context(render_sidecar(args.render_url, say))
-        sim = SimConfig(model=SERVED, mode="random", ttft_s=shape.ttft_s, decode_s_per_token=shape.decode_s,
-                        max_concurrency=shape.concurrency, stream_interval=shape.max_tokens)
-        engines = [stack.enter_context(SimulatedEngine(sim.model_copy(update={"seed": i})))
-                   for i in range(shape.engines)]
+        # One event for the first token, one at the end: the derender calls stay cheap (2 per request).
+        sim = {"model": SERVED, "mode": "random", "ttft_s": shape.ttft_s,
+               "decode_s_per_token": shape.decode_s, "max_concurrency": shape.concurrency,
+               "stream_interval": shape.max_tokens}
+        engines = stack.enter_context(engine_process([{**sim, "seed": i} for i in range(shape.engines)]))
+        pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")))
         budget = shape.concurrency * shape.cost_tokens
         nominal = shape.slots / shape.service_s
         say(f"{shape.engines} simulated engines x {shape.concurrency} slots, {shape.service_s * 1000:.0f} ms "
             f"per request: nominal capacity {nominal:.1f} req/s; engine budget {budget} tokens")
-        f = run_phases(args, shape, render_url, engines, budget, nominal, say)
+        f = run_phases(args, shape, render_url, engines, pool, budget, nominal, say)
 
     out = write_report(NAME, f, _markdown(f))
     _plot(f, out / f"{NAME}.png")
@@ -356,8 +416,8 @@ def main(argv: list[str] | None = None) -> None:
                 "no_admission_ttft_p99_ms": off["admitted_ttft_p99_ms"], "targets_met": f["targets_met"]})
 
 
-def run_phases(args: argparse.Namespace, shape: Shape, render_url: str, engines: list[SimulatedEngine],
-               budget: int, nominal: float, say: Progress) -> dict[str, Any]:
+def run_phases(args: argparse.Namespace, shape: Shape, render_url: str, engines: list[str],
+               pool: ProcessPoolExecutor, budget: int, nominal: float, say: Progress) -> dict[str, Any]:
     f: dict[str, Any] = {"shape": {**asdict(shape), "service_ms": round(shape.service_s * 1000, 1),
                                    "slots": shape.slots, "engine_budget_tokens": budget},
                          "nominal_capacity_rps": round(nominal, 2), "overload_x": args.overload,
@@ -369,25 +429,31 @@ def run_phases(args: argparse.Namespace, shape: Shape, render_url: str, engines:
     calib = coordinator_settings(render_url, engines, budget=budget, max_queue=4 * shape.slots,
                                  queue_timeout_s=60)
     n_idle = max(8, shape.slots)
-    say(f"uncongested TTFT: {n_idle} requests at concurrency {max(1, shape.slots // 4)} after a warm-up; "
+    say(f"uncongested TTFT: {n_idle} requests at concurrency {max(2, shape.slots // 4)} after a warm-up; "
         f"then capacity: closed loop, {2 * shape.slots} clients for {args.capacity_duration:g} s")
     with EmbeddedCoordinator(calib) as coord:
-        idle, cap_outs = asyncio.run(_calibrate(coord.url, shape, args, n_idle))
+        idle, cap_outs = pool.submit(load_calibration, coord.url, shape, args, n_idle).result()
         calib_left = leftovers(coord, engines, drain_s)
     ttft0 = statistics.median(o.ttft for o in idle if o.ttft is not None)
     say(f"  ttft0 p50 {ttft0 * 1000:.1f} ms")
-    w0 = min(args.warmup, args.capacity_duration / 2)
-    done = [o for o in cap_outs if o.kind == "ok" and w0 <= o.ended <= args.capacity_duration]
-    capacity = len(done) / (args.capacity_duration - w0)
-    say(f"  capacity {capacity:.1f} req/s ({capacity / nominal:.0%} of nominal), "
-        f"{sum(o.kind != 'ok' for o in cap_outs)} not ok")
+    # Little's law for a closed system: throughput = clients / mean response time (the clients send
+    # again at once). Unlike counting completions in a window it has no quantization error (every
+    # request lasts about one service time, so a window holds a whole number of them per slot, +-1).
+    w0 = min(args.warmup + shape.service_s, args.capacity_duration / 2)
+    steady = [o for o in cap_outs if o.kind == "ok" and o.sent >= w0 and o.ended <= args.capacity_duration]
+    capacity = 2 * shape.slots / statistics.fmean(o.latency for o in steady)
+    counted = sum(1 for o in cap_outs if o.kind == "ok" and w0 <= o.ended <= args.capacity_duration) / (
+        args.capacity_duration - w0)
+    say(f"  capacity {capacity:.2f} req/s ({capacity / nominal:.1%} of nominal; window count "
+        f"{counted:.2f}), {sum(o.kind != 'ok' for o in cap_outs)} not ok")
 
     slo = args.slo_factor * ttft0
     slack = slo - ttft0
-    max_queue = max(1, int(capacity * slack / 2))
+    max_queue = max(1, int(capacity * slack * args.queue_fraction))
     rate = args.overload * capacity
     f.update({"ttft0_ms": round(ttft0 * 1000, 2), "capacity_rps": round(capacity, 2),
-              "capacity_vs_nominal": round(capacity / nominal, 3), "slo_ttft_ms": round(slo * 1000, 1),
+              "capacity_vs_nominal": round(capacity / nominal, 3),
+              "capacity_window_count_rps": round(counted, 2), "slo_ttft_ms": round(slo * 1000, 1),
               "max_queue": max_queue, "queue_timeout_s": round(slack, 3), "offered_rps": round(rate, 2)})
     window = (args.warmup, args.duration)
 
@@ -395,14 +461,15 @@ def run_phases(args: argparse.Namespace, shape: Shape, render_url: str, engines:
         f"SLO TTFT <= {slo * 1000:.0f} ms, max_queue {max_queue}, queue_timeout_s {slack:.3f}")
     tuned = coordinator_settings(render_url, engines, budget=budget, max_queue=max_queue,
                                  queue_timeout_s=slack)
-    on_outs, on_left, on_samples = _overload(tuned, engines, shape, args, rate, args.duration, drain_s)
+    on_outs, on_left, on_samples = _overload(tuned, engines, pool, shape, args, rate, args.duration, drain_s)
     on = summarize(on_outs, window, slo)
     say(f"  goodput {on['goodput_rps']} req/s = {on['goodput_rps'] / capacity:.3f} x capacity; admitted TTFT "
         f"p99 {on['admitted_ttft_p99_ms']} ms; 429 p50 {on['reject_latency_p50_ms']} ms; {on['outcomes']}")
 
     say(f"overload, admission off (huge budget and queue): {rate:.1f} req/s for {args.off_duration:g} s")
     loose = coordinator_settings(render_url, engines, budget=10**9, max_queue=100_000, queue_timeout_s=3600)
-    off_outs, off_left, off_samples = _overload(loose, engines, shape, args, rate, args.off_duration, drain_s)
+    off_outs, off_left, off_samples = _overload(loose, engines, pool, shape, args, rate, args.off_duration,
+                                                drain_s)
     off = summarize(off_outs, (args.warmup, args.off_duration), slo)
     say(f"  goodput {off['goodput_rps']} req/s = {off['goodput_rps'] / capacity:.3f} x capacity; TTFT p99 "
         f"{off['admitted_ttft_p99_ms']} ms; {off['outcomes']}")
@@ -420,7 +487,8 @@ def run_phases(args: argparse.Namespace, shape: Shape, render_url: str, engines:
         "samples_on": on_samples, "samples_off": off_samples,
     })
     f["targets"] = {"goodput_ratio": f["goodput_ratio"] >= GOODPUT_TARGET,
-                    "reject_latency_p50_ms": on["reject_latency_p50_ms"] <= REJECT_P50_TARGET_MS,
+                    "reject_latency_p50_ms": on["reject_latency_p50_ms"] is not None
+                    and on["reject_latency_p50_ms"] <= REJECT_P50_TARGET_MS,
                     "leaked_budget": leaked == 0, "queue_empty": queue_left == 0}
     f["targets_met"] = all(f["targets"].values())
     return f
@@ -431,8 +499,9 @@ async def _calibrate(url: str, shape: Shape, args: argparse.Namespace, n_idle: i
     client = Client(url, shape, args.client_timeout, args.seed)
     try:
         await _batch(client, 4, min(4, shape.slots))   # warm-up: connections, first render
-        idle = await _batch(client, n_idle, max(1, shape.slots // 4))
-        return idle, await closed_loop(client, 2 * shape.slots, args.capacity_duration)
+        idle = await _batch(client, n_idle, max(2, shape.slots // 4))
+        return idle, await closed_loop(client, 2 * shape.slots, shape.slots, args.capacity_duration,
+                                       shape.service_s)
     finally:
         await client.aclose()
 
@@ -448,29 +517,22 @@ async def _batch(client: Client, n: int, conc: int) -> list[Outcome]:
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
-def _overload(settings: Settings, engines: list[SimulatedEngine], shape: Shape, args: argparse.Namespace,
-              rate: float, duration_s: float, drain_s: float
+def _overload(settings: Settings, engines: list[str], pool: ProcessPoolExecutor, shape: Shape,
+              args: argparse.Namespace, rate: float, duration_s: float, drain_s: float
               ) -> tuple[list[Outcome], dict[str, int], dict[str, list[float]]]:
-    """One open-loop phase on a fresh coordinator; returns outcomes, what it held after draining, and
-    its queue length and admitted tokens sampled every 0.25 s."""
+    """One open-loop phase on a fresh coordinator (load from the child process); returns outcomes,
+    what the coordinator held after draining, and its queue length and admitted tokens every 0.25 s."""
     samples: dict[str, list[float]] = {"t": [], "queue_length": [], "inflight_tokens": []}
     with EmbeddedCoordinator(settings) as coord:
         c = coord.components
-
-        def sample(t: float) -> None:
-            samples["t"].append(round(t, 2))
+        job = pool.submit(load_open, coord.url, shape, args, rate, duration_s)
+        while not job.done():
+            samples["t"].append(time.perf_counter())
             samples["queue_length"].append(c.admission.queue_length)
             samples["inflight_tokens"].append(sum(e.inflight_tokens for e in c.registry.engines))
-
-        async def run() -> list[Outcome]:
-            client = Client(coord.url, shape, args.client_timeout, args.seed + 1)
-            try:
-                await _batch(client, 4, 2)   # warm connections; not measured
-                return await open_loop(client, rate, duration_s, args.seed, sample)
-            finally:
-                await client.aclose()
-
-        outs = asyncio.run(run())
+            time.sleep(0.25)
+        t0, outs = job.result()
+        samples["t"] = [round(t - t0, 2) for t in samples["t"]]
         left = leftovers(coord, engines, drain_s)
     return outs, left, samples
 
@@ -485,7 +547,7 @@ def _markdown(f: dict[str, Any]) -> str:
                        ("reject_latency_p50_ms", "429 latency p50 ms"),
                        ("reject_latency_p99_ms", "429 latency p99 ms"),
                        ("generator_lag_p99_ms", "load generator lag p99 ms")):
-        rows.append(f"| {label} | {on[key]} | {off[key]} |")
+        rows.append(f"| {label} | {_cell(on[key])} | {_cell(off[key])} |")
     rows.append(f"| goodput / capacity | **{f['goodput_ratio']}** | {f['no_admission_goodput_ratio']} |")
     rows.append(f"| outcomes | {on['outcomes']} | {off['outcomes']} |")
     verdict = "met" if f["targets_met"] else "NOT met"
@@ -501,6 +563,10 @@ def _markdown(f: dict[str, Any]) -> str:
         + "\n".join(rows)
         + f"\n\nTargets ({verdict}): {f['targets']}. leaked_budget {f['leaked_budget']}, queue after "
         f"{f['queue_length_after']}; leftovers {f['leftovers']}.\n\n![plot]({NAME}.png)\n")
+
+
+def _cell(value: Any) -> str:
+    return "n/a" if value is None else str(value)
 
 
 def _plot(f: dict[str, Any], path: Path) -> None:
@@ -523,6 +589,8 @@ def _plot(f: dict[str, Any], path: Path) -> None:
         line = right.plot(tl["t"], tl["ttft_p99_ms"], marker=".", label=f"{name}: p99")[0]
         right.plot(tl["t"], tl["ttft_p50_ms"], linestyle="--", color=line.get_color(), label=f"{name}: p50")
     right.axhline(f["slo_ttft_ms"], color="red", linestyle="--", linewidth=1, label="SLO")
+    right.axhline(f["client_timeout_s"] * 1000, color="grey", linestyle=":", linewidth=1,
+                  label="clients give up (TTFT censored)")
     right.set_yscale("log")
     right.set_xlabel("arrival time (s)")
     right.set_ylabel("TTFT of admitted requests (ms)")

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import numpy.typing as npt
 
 from coordinator.config import EngineSettings, PrefixIndexSettings, SchedulingSettings, Settings
 from coordinator.observability.metrics import Metrics
@@ -50,6 +51,8 @@ TARGET_P50_MS = 0.2
 PROMPT_TOKENS = 2048
 SCALING_LENGTHS = (512, 2048, 8192)
 MAX_TOKENS = 256
+BLOCK = PrefixIndexSettings().block_size
+IdArray = npt.NDArray[np.int32]
 POOL_MAX = 4000
 # (label, policy, index source); the first is the one the target applies to.
 VARIANTS: tuple[tuple[str, str, str], ...] = (
@@ -61,23 +64,25 @@ VARIANTS: tuple[tuple[str, str, str], ...] = (
 
 
 class Workload:
-    """A seeded stream of prompts; each variant gets its own copy so all see identical requests."""
+    """A seeded stream of prompts; each variant gets its own copy so all see identical requests.
+
+    Prompts are kept as int32 arrays (a pool of thousands of 2-8k-token prompts as Python int lists
+    would take gigabytes) and handed to the scheduler as ``list[int]``, as they arrive from render."""
 
     def __init__(self, seed: int, n_systems: int = 24) -> None:
         self.rng = np.random.default_rng(seed)
-        self.systems = [self._tokens(int(self.rng.integers(256, 769))) for _ in range(n_systems)]
+        self.systems = [self.tokens(int(self.rng.integers(256, 769))) for _ in range(n_systems)]
         weights = 1.0 / np.arange(1, n_systems + 1)        # Zipf-like: a few system prompts dominate
         self.sys_p = weights / weights.sum()
-        self.pool: list[list[int]] = []
+        self.pool: list[IdArray] = []
         self.kinds = {"continuation": 0, "system": 0, "cold": 0}
 
-    def _tokens(self, n: int) -> list[int]:
-        out: list[int] = self.rng.integers(100, 49_000, size=max(0, n)).tolist()
-        return out
+    def tokens(self, n: int) -> IdArray:
+        return self.rng.integers(100, 49_000, size=max(0, n), dtype=np.int32)
 
-    def conversation(self, length: int) -> list[int]:
+    def conversation(self, length: int) -> IdArray:
         sys_prompt = self.systems[int(self.rng.choice(len(self.systems), p=self.sys_p))]
-        return sys_prompt + self._tokens(length - len(sys_prompt))
+        return np.concatenate([sys_prompt, self.tokens(length - len(sys_prompt))])
 
     def next(self, length: int) -> list[int]:
         """A continuation keeps a long indexed prefix (the earlier turns) and adds a new turn."""
@@ -86,17 +91,18 @@ class Workload:
             self.kinds["continuation"] += 1
             base = self.pool[int(self.rng.integers(len(self.pool)))]
             keep = min(len(base), length - int(self.rng.integers(64, 257)))
-            prompt = base[:keep] + self._tokens(length - keep)
+            prompt = np.concatenate([base[:keep], self.tokens(length - keep)])
         elif r < 0.8:
             self.kinds["system"] += 1
             prompt = self.conversation(length)
         else:
             self.kinds["cold"] += 1
-            prompt = self._tokens(length)
+            prompt = self.tokens(length)
         self.remember(prompt)
-        return prompt
+        ids: list[int] = prompt.tolist()
+        return ids
 
-    def remember(self, prompt: list[int]) -> None:
+    def remember(self, prompt: IdArray) -> None:
         if len(self.pool) < POOL_MAX:
             self.pool.append(prompt)
         else:
@@ -120,28 +126,28 @@ def _settings(engines: int, source: str, policy: str, capacity: int) -> Settings
                     scheduling=SchedulingSettings(policy=policy, prefix=prefix))  # type: ignore[arg-type]
 
 
-def fill_index(engines: list[str], capacity: int, seed: int) -> tuple[PrefixIndex, list[list[int]]]:
+def fill_index(engines: list[str], capacity: int, seed: int) -> tuple[PrefixIndex, list[IdArray]]:
     """Conversations of 1-2k tokens (1-3 turns each) added engine by engine until every engine holds
     ``capacity`` blocks; returns the index and the conversations (the pool requests continue)."""
     index = PrefixIndex(capacity_blocks=capacity, ttl_s=PrefixIndexSettings().ttl_s)
     wl = Workload(seed)
     seed_hash = chain_seed(MODEL)
-    pool: list[list[int]] = []
-    block = PrefixIndexSettings().block_size
+    pool: list[IdArray] = []
     for url in engines:
         while index.blocks(url) < capacity:
             turns = int(wl.rng.integers(1, 4))
             lengths = sorted(int(x) for x in wl.rng.integers(1024, 2049, size=turns))
             prompt = wl.conversation(lengths[0])
             for n in lengths:
-                prompt = prompt + wl._tokens(n - len(prompt))
-                index.add(url, block_hashes(prompt, block, seed_hash))
+                prompt = np.concatenate([prompt, wl.tokens(n - len(prompt))])
+                index.add(url, block_hashes(prompt.tolist(), BLOCK, seed_hash))
             pool.append(prompt)
     return index, pool
 
 
 def build_variant(label: str, policy: str, source: str, n_engines: int, capacity: int,
-                  filled: PrefixIndex, pool: list[list[int]], seed: int, http: httpx.AsyncClient) -> Variant:
+                  filled: PrefixIndex, pool: list[IdArray], seed: int,
+                  http: httpx.AsyncClient) -> Variant:
     settings = _settings(n_engines, source, policy, capacity)
     registry = EngineRegistry(settings, http)
     loads = np.random.default_rng(seed + 1)
@@ -181,7 +187,7 @@ def stats_ms(samples_s: list[float]) -> dict[str, float]:
             "mean_ms": round(statistics.fmean(ms), 4), "n": len(ms)}
 
 
-def breakdown(index: PrefixIndex, wl: Workload, n: int, length: int) -> dict[str, float]:
+def breakdown(index: PrefixIndex, engines: list[str], wl: Workload, n: int, length: int) -> dict[str, float]:
     """Where an affinity decision's time goes: hashing the prompt, matching it, learning it."""
     seed = chain_seed(MODEL)
     probe = copy.deepcopy(index)
@@ -191,11 +197,11 @@ def breakdown(index: PrefixIndex, wl: Workload, n: int, length: int) -> dict[str
     for i in range(n):
         prompt = wl.next(length)
         t0 = time.perf_counter_ns()
-        hashes = block_hashes(prompt, 16, seed)
+        hashes = block_hashes(prompt, BLOCK, seed)
         t1 = time.perf_counter_ns()
         probe.match(hashes)
         t2 = time.perf_counter_ns()
-        probe.add(f"http://engine-{i % 16}:8000", hashes)
+        probe.add(engines[i % len(engines)], hashes)
         t3 = time.perf_counter_ns()
         hashing.append((t1 - t0) / 1e9)
         matching.append((t2 - t1) / 1e9)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     aff = variants[0]
     assert aff.scheduler.index is not None
     say("breakdown of an affinity decision at 2k tokens (hash / match / learn)")
-    parts = breakdown(aff.scheduler.index, aff.workload, min(1000, args.decisions), PROMPT_TOKENS)
+    parts = breakdown(aff.scheduler.index, engines, aff.workload, min(1000, args.decisions), PROMPT_TOKENS)
     end_blocks = [aff.scheduler.index.blocks(u) for u in engines]
     asyncio.run(http.aclose())
 
@@ -332,7 +338,8 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     left.bar([x + 0.2 for x in xs], [f["policies"][k]["p99_ms"] for k in labels], 0.4, label="p99")
     left.axhline(f["target_p50_ms"], color="red", linestyle="--", linewidth=1, label="p50 target")
     left.set_xticks(list(xs), [k.replace("_no_index", "\n(no index)") for k in labels], fontsize=8)
-    left.set_ylabel("ms per decision")
+    left.set_yscale("log")
+    left.set_ylabel("ms per decision (log)")
     left.set_title(f"{f['engines']} engines x {f['blocks_per_engine']} blocks, "
                    f"{f['prompt_tokens']}-token prompts")
     left.legend()
@@ -343,7 +350,8 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     right.set_xscale("log", base=2)
     right.set_xticks(lengths, [str(n) for n in lengths])
     right.set_xlabel("prompt tokens")
-    right.set_ylabel("p50 ms per decision")
+    right.set_yscale("log")
+    right.set_ylabel("p50 ms per decision (log)")
     right.set_title("decision time vs prompt length")
     right.legend(fontsize=8)
     fig.tight_layout()

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +38,15 @@ class _Finished:
 
 class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
-                 derenderer: Derenderer, strict: bool, queue_chunks: int) -> None:
+                 derenderer: Derenderer, strict: bool, queue_chunks: int,
+                 early_refusal: Callable[[int], None] | None = None) -> None:
         self.catalog = catalog
         self._render = render
         self._dispatch = dispatcher
         self._derender = derenderer
         self._strict = strict
         self._queue_chunks = queue_chunks
+        self._early_refusal = early_refusal  # admission's "queue full" check, run before render
         self.inflight = 0  # client requests between begin() and their release
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -70,6 +72,8 @@ class Pipeline:
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
                              priority=_priority(body, priority))
+        if self._early_refusal is not None:
+            self._early_refusal(ctx.priority)
         await self._render(ctx, entry)
         ctx.derender_request = request_view(ctx)
         return ctx

@@ -425,3 +425,40 @@ def test_client_leaving_after_prefill_releases_the_prefill_kv(render_sidecar: An
         assert p.state()["kv_transfer_released"].get("consumed") == 1   # freed by the decode side, not the lease
         assert len(p.state()["history"]) == 1 and d.state()["completed"] == 0
         assert wait_until(lambda: released(coord))
+
+
+# --------------------------------------------------------------------------- metrics
+
+def test_metrics_expose_the_scheduling_series_and_can_be_switched_off(
+        render_sidecar: Any, two: list[SimulatedEngine], coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [e.url for e in two])
+    assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30).status_code == 200
+    text = httpx.get(f"{coord.url}/metrics").text
+    for series in ("coordinator_queue_length 0.0", "coordinator_queue_wait_seconds_count 1.0",
+                   "coordinator_admitted_total 1.0", "coordinator_prefix_hit_ratio",
+                   f'coordinator_engine_inflight_tokens{{engine="{two[0].url}"}} 0.0',
+                   f'coordinator_breaker_state{{engine="{two[1].url}"}} 0.0',
+                   f'coordinator_engine_state{{engine="{two[0].url}",state="healthy"}} 1.0',
+                   'coordinator_scheduling_decisions_total{engine="', 'policy="affinity"'):
+        assert series in text, series
+    off = coordinator_factory(render_sidecar.url, [two[0].url], server={"metrics": False})
+    assert httpx.get(f"{off.url}/metrics").status_code == 404
+
+
+def test_admin_api_drains_and_replaces_engines(render_sidecar: Any, two: list[SimulatedEngine],
+                                               coordinator_factory: CoordinatorFactory) -> None:
+    a, b = two
+    coord = coordinator_factory(render_sidecar.url, [a.url, b.url], scheduling={"policy": "round_robin"})
+    r = httpx.post(f"{coord.url}/admin/engines/drain", params={"url": a.url})
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    for _ in range(3):
+        assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30).status_code == 200
+    assert a.state()["requests_total"] == 0 and b.state()["completed"] == 3
+    assert httpx.post(f"{coord.url}/admin/engines/undrain", params={"url": a.url}).json()["state"] == "healthy"
+    listed = httpx.get(f"{coord.url}/admin/engines").json()["engines"]
+    assert {e["url"]: e["state"] for e in listed} == {a.url: "healthy", b.url: "healthy"}
+    r = httpx.put(f"{coord.url}/admin/engines", json=[{"url": b.url}])
+    assert r.status_code == 200 and [e["url"] for e in r.json()["engines"]] == [b.url]
+    bad = httpx.put(f"{coord.url}/admin/engines", json=[{"url": b.url, "role": "chef"}])
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(f"{coord.url}/admin/engines/drain", params={"url": "http://nowhere:1"}).status_code == 404

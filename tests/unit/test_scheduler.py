@@ -156,3 +156,37 @@ def test_decode_engine_prefills_itself_when_no_prefill_engine_is_healthy() -> No
     reg.engines[0].state = "unhealthy"
     placement = sched.place(req(PROMPT))
     assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
+
+
+def test_bounded_load_spreads_pinned_prefixes() -> None:
+    """Affinity alone would send every request of one shared prefix to its first engine forever; the
+    bounded-load picker caps any engine at max(1.25 x fair share, fair share + slack) of recent
+    decisions, while engines within their share still win on prefix."""
+    now = [0.0]
+    sched, _reg, _index, _ = make(urls(4), bounded_load={"factor": 1.25, "slack": 2, "window_s": 30})
+    picker = sched.profile.picker
+    assert picker.name == "bounded_load"
+    picker._clock = lambda: now[0]  # type: ignore[attr-defined]
+    counts: dict[str, int] = {}
+    for i in range(40):                                   # one hot prefix, conversations diverge after it
+        placement = sched.place(req(PROMPT + [i] * 32))
+        assert placement is not None
+        counts[placement.engine.url] = counts.get(placement.engine.url, 0) + 1
+    assert max(counts.values()) <= 1.25 * 10 + 2 and len(counts) == 4
+    unbounded, *_ = make(urls(4), policy="custom", picker="max_score")
+    first = unbounded.place(req(PROMPT))
+    assert first is not None
+    assert all((p := unbounded.place(req(PROMPT + [i] * 32))) is not None and p.engine is first.engine
+               for i in range(20))
+
+
+def test_bounded_load_window_forgets_old_decisions() -> None:
+    now = [0.0]
+    sched, _reg, index, _ = make(urls(2), learn=False, bounded_load={"factor": 1.0, "slack": 0, "window_s": 10})
+    sched.profile.picker._clock = lambda: now[0]  # type: ignore[attr-defined]
+    index.add("http://e0:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))
+    picks = [sched.place(req(PROMPT)) for _ in range(2)]
+    assert [p.engine.url for p in picks if p] == ["http://e0:8000", "http://e1:8000"]  # over its share
+    now[0] = 11.0                                         # both decisions left the window
+    again = sched.place(req(PROMPT))
+    assert again is not None and again.engine.url == "http://e0:8000"   # the prefix wins again

@@ -140,6 +140,16 @@ class AdmissionController:
                             f"retry later", self._settings.retry_after_s)
         return await self._wait(req, place, prefill_tokens, arrived, try_now=waiters_ahead)
 
+    def check_early(self, priority: int) -> None:
+        """Refuse now, before the request is even rendered, when ``admit`` would certainly refuse it:
+        the queue is full and someone at least as urgent waits ahead (so the fast path is closed too).
+        At 3x overload this saves the render sidecar most of its work and cuts a 429 to ~1 ms."""
+        if (self._settings.enabled and self._queue and len(self._queue) >= self._settings.max_queue
+                and self._queue[0].key[0] <= priority):
+            self._reject("queue_full")
+            raise QueueFull(f"Too many requests are waiting for capacity ({len(self._queue)}); "
+                            f"retry later", self._settings.retry_after_s)
+
     def _place_now(self, req: SchedRequest, place: Place) -> Placement | None:
         try:
             return place(req)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
-from typing import Protocol
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 from coordinator.pipeline.engines.registry import Engine
 
@@ -31,6 +33,54 @@ class MaxScorePicker:
         return tied[next(self._turn) % len(tied)]
 
 
+@runtime_checkable
+class Observer(Protocol):
+    """A stage that learns from committed decisions (the scheduler calls it once per placement)."""
+
+    def observe(self, engine: Engine) -> None: ...
+
+
+class BoundedLoadPicker:
+    """Highest score among engines whose share of recent decisions stays under
+    ``max(factor x fair share, fair share + slack)``: consistent hashing with bounded loads.
+
+    Why: prefix affinity alone pins each shared system prompt to the engine its first user landed on,
+    for good (8 tenants on 4 engines split 3/2/2/1 as easily as 2/2/2/2), and the load scorer only
+    reacts once engines are busy. The bound spreads placements over the window while leaving every
+    engine that is within its share free to win on prefix."""
+
+    name = "bounded_load"
+
+    def __init__(self, factor: float = 1.25, slack: float = 8.0, window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._factor, self._slack, self._window = factor, slack, window_s
+        self._clock = clock
+        self._recent: deque[tuple[float, str]] = deque()
+        self._counts: Counter[str] = Counter()
+        self._ties = MaxScorePicker()
+
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+        self._forget(self._clock())
+        # Shares within this pool only (another model's or role's engines have their own).
+        fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
+        cap = max(self._factor * fair, fair + self._slack)
+        allowed = [i for i, e in enumerate(engines) if self._counts[e.url] + 1 <= cap]
+        if not allowed:
+            return self._ties(engines, scores)
+        return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed])
+
+    def observe(self, engine: Engine) -> None:
+        now = self._clock()
+        self._recent.append((now, engine.url))
+        self._counts[engine.url] += 1
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self._window:
+            _, url = self._recent.popleft()
+            self._counts[url] -= 1
+
+
 class RoundRobinPicker:
     name = "round_robin"
 
@@ -51,6 +101,6 @@ class RandomPicker:
         return self._rng.choice(list(engines))
 
 
-PICKERS: dict[str, type[MaxScorePicker | RoundRobinPicker | RandomPicker]] = {
-    p.name: p for p in (MaxScorePicker, RoundRobinPicker, RandomPicker)
+PICKERS: dict[str, type[MaxScorePicker | BoundedLoadPicker | RoundRobinPicker | RandomPicker]] = {
+    p.name: p for p in (MaxScorePicker, BoundedLoadPicker, RoundRobinPicker, RandomPicker)
 }

@@ -15,7 +15,7 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
 from coordinator.pipeline.scheduling.filters import Filter, HasRoom, NotTried, QueueDepth
-from coordinator.pipeline.scheduling.pickers import PICKERS, Picker
+from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer, Picker
 from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
@@ -24,7 +24,7 @@ from coordinator.pipeline.scheduling.scorers import SCORERS, Scorer, ScoringInpu
 log = logging.getLogger(__name__)
 
 PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
-    "affinity": ([("prefix", 2.0), ("load", 1.0)], "max_score"),
+    "affinity": ([("prefix", 2.0), ("load", 1.0)], "bounded_load"),
     "least_load": ([("load", 1.0)], "max_score"),
     "round_robin": ([], "round_robin"),
     "random": ([], "random"),
@@ -58,7 +58,13 @@ def build_profile(settings: SchedulingSettings, room: Callable[[Engine, int], bo
     if max_waiting is not None:
         filters.append(QueueDepth(max_waiting))
     scorers: list[tuple[Scorer, float]] = [(SCORERS[n](), w) for n, w in named if w > 0]
-    return Profile(settings.policy, filters, scorers, PICKERS[picker_name]())
+    picker: Picker
+    if picker_name == "bounded_load":
+        b = settings.bounded_load
+        picker = BoundedLoadPicker(b.factor, b.slack, b.window_s)
+    else:
+        picker = PICKERS[picker_name]()
+    return Profile(settings.policy, filters, scorers, picker)
 
 
 class Scheduler:
@@ -72,6 +78,7 @@ class Scheduler:
         self._learn = learn and index is not None
         self._topology = topology
         self._metrics = metrics
+        self._scores_prefix = any(scorer.name == "prefix" for scorer, _ in profile.scorers)
 
     # -- public ---------------------------------------------------------------------------------
     def uses_handoff(self, model: str) -> bool:
@@ -83,8 +90,10 @@ class Scheduler:
 
     def place(self, req: SchedRequest) -> Placement | None:
         """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine."""
-        self._prepare(req)
-        if not self.uses_handoff(req.model):
+        handoff = self.uses_handoff(req.model)
+        if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
+            self._prepare(req)
+        if not handoff:
             chosen = self._choose(req, "union", req.cost_tokens)
             return None if chosen is None else self._commit(req, Placement(chosen[0], None, chosen[1]))
         chosen = self._choose(req, "decode", req.cost_tokens)
@@ -141,6 +150,8 @@ class Scheduler:
         return engine, data.matched_tokens(engine)
 
     def _commit(self, req: SchedRequest, placement: Placement, path: str = "union") -> Placement:
+        if isinstance(self.profile.picker, Observer):
+            self.profile.picker.observe(placement.engine)
         for e in placement.engines:
             e.breaker.on_pick()
             if self._learn and self.index is not None and req.block_hashes:

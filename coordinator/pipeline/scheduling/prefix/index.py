@@ -28,12 +28,19 @@ class PrefixIndex:
 
     def add(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         now = self._clock()
-        blocks = self._blocks.setdefault(engine, OrderedDict())
+        blocks = self._blocks.get(engine)
+        if blocks is None:
+            blocks = self._blocks[engine] = OrderedDict()
+        owners_of = self._owners
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
             else:
-                self._owners.setdefault(h, set()).add(engine)
+                owners = owners_of.get(h)
+                if owners is None:
+                    owners_of[h] = {engine}
+                else:
+                    owners.add(engine)
             blocks[h] = now
         self._trim(engine, blocks, now)
 
@@ -51,41 +58,58 @@ class PrefixIndex:
             self._disown(h, engine)
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Leading blocks of ``hashes`` each engine holds (engines with no match are absent)."""
+        """Leading blocks of ``hashes`` each engine holds (engines with no match are absent).
+
+        Set operations run in C: an engine stays "live" while every block so far is its own; the
+        walk ends when no engine is live or a block has no owner at all."""
         if not hashes:
             return {}
+        if self._ttl is not None:
+            self._expire(self._clock())
         first = self._owners.get(hashes[0])
         if not first:
             return {}
-        oldest = None if self._ttl is None else self._clock() - self._ttl
-        live = {e for e in first if oldest is None or self._blocks[e][hashes[0]] >= oldest}
+        live = set(first)
         matched: dict[str, int] = {}
-        depth = 0
-        for depth, h in enumerate(hashes):
-            owners = self._owners.get(h)
-            still = {e for e in live if owners and e in owners
-                     and (oldest is None or self._blocks[e][h] >= oldest)}
-            for e in live - still:
-                matched[e] = depth
-            live = still
-            if not live:
+        depth, n = 1, len(hashes)
+        while depth < n:
+            owners = self._owners.get(hashes[depth])
+            if owners is None:
                 break
-        else:
-            depth = len(hashes)
+            if not live <= owners:
+                still = live & owners
+                for e in live - still:
+                    matched[e] = depth
+                live = still
+                if not live:
+                    break
+            depth += 1
         for e in live:
             matched[e] = depth
-        return {e: n for e, n in matched.items() if n > 0}
+        return matched
+
+    def _expire(self, now: float) -> None:
+        """Drop blocks unused for ``ttl_s``. Use moves a block to the end, so expired ones are at the
+        front of each engine's order and this stops at the first fresh one."""
+        assert self._ttl is not None
+        for engine, blocks in self._blocks.items():
+            self._drop_older(engine, blocks, now - self._ttl)
 
     def _trim(self, engine: str, blocks: OrderedDict[BlockHash, float], now: float) -> None:
-        oldest = None if self._ttl is None else now - self._ttl
+        if self._capacity is not None:
+            for _ in range(len(blocks) - self._capacity):
+                h, _seen = blocks.popitem(last=False)
+                self._disown(h, engine)
+        if self._ttl is not None:
+            self._drop_older(engine, blocks, now - self._ttl)
+
+    def _drop_older(self, engine: str, blocks: OrderedDict[BlockHash, float], oldest: float) -> None:
         while blocks:
             h, seen = next(iter(blocks.items()))
-            if (self._capacity is not None and len(blocks) > self._capacity) or (
-                    oldest is not None and seen < oldest):
-                blocks.popitem(last=False)
-                self._disown(h, engine)
-            else:
+            if seen >= oldest:
                 break
+            blocks.popitem(last=False)
+            self._disown(h, engine)
 
     def _disown(self, h: BlockHash, engine: str) -> None:
         owners = self._owners.get(h)
