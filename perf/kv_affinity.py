@@ -165,7 +165,7 @@ class LeastLoadTiePicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
         best = max(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
         least = min(e.inflight_tokens for e in tied)

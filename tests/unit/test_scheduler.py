@@ -180,13 +180,48 @@ def test_bounded_load_spreads_pinned_prefixes() -> None:
                for i in range(20))
 
 
-def test_bounded_load_window_forgets_old_decisions() -> None:
+def bounded_pair(window_s: float = 10) -> tuple[Scheduler, PrefixIndex, list[float]]:
     now = [0.0]
-    sched, _reg, index, _ = make(urls(2), learn=False, bounded_load={"factor": 1.0, "slack": 0, "window_s": 10})
+    sched, _reg, index, _ = make(urls(2), learn=False, bounded_load={"factor": 1.0, "slack": 0, "window_s": window_s})
     sched.profile.picker._clock = lambda: now[0]  # type: ignore[attr-defined]
-    index.add("http://e0:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))
-    picks = [sched.place(req(PROMPT)) for _ in range(2)]
-    assert [p.engine.url for p in picks if p] == ["http://e0:8000", "http://e1:8000"]  # over its share
+    return sched, index, now
+
+
+SHARED = PROMPT[:160]  # a "system prompt" that another conversation already continued on e0
+
+
+def test_bounded_load_window_forgets_old_decisions() -> None:
+    sched, index, now = bounded_pair()
+    index.add("http://e0:8000", block_hashes([*SHARED, *[1] * 32], 16, chain_seed(MODEL)))
+    picks = [sched.place(req([*SHARED, *[i] * 64])) for i in (2, 3)]   # two new conversations
+    assert [p.engine.url for p in picks if p] == ["http://e0:8000", "http://e1:8000"]  # e0 over its share
     now[0] = 11.0                                         # both decisions left the window
-    again = sched.place(req(PROMPT))
+    again = sched.place(req([*SHARED, *[4] * 64]))
     assert again is not None and again.engine.url == "http://e0:8000"   # the prefix wins again
+
+
+def test_a_continuing_conversation_keeps_its_engine_over_the_cap() -> None:
+    sched, index, _ = bounded_pair()
+    history = [*SHARED, *[5] * 64]
+    index.add("http://e0:8000", block_hashes(history, 16, chain_seed(MODEL)))
+    picks = [sched.place(req([*history, *[6 + i] * 32])) for i in range(3)]
+    assert {p.engine.url for p in picks if p} == {"http://e0:8000"}   # its next turns stay home
+
+
+def test_new_prefix_homes_are_spread_not_piled_on_the_momentarily_idlest_engine() -> None:
+    """Each cold request (nothing cached anywhere) founds a home its followers stick to; the bounded
+    picker spreads homes by how many each engine founded recently, not by the in-flight count of the
+    moment (which would put all four on the one engine that happens to be idle)."""
+    sched, reg, _index, _ = make(urls(4))
+    for e in reg.engines[1:]:
+        e.inflight_tokens = e.token_budget // 4
+    homes = []
+    for tenant in range(8):
+        placement = sched.place(req([1000 + tenant] * 320))
+        assert placement is not None
+        homes.append(placement.engine.url)
+    assert sorted(homes.count(e.url) for e in reg.engines) == [2, 2, 2, 2]
+    least, least_reg, *_ = make(urls(4), policy="least_load")
+    for e in least_reg.engines[1:]:
+        e.inflight_tokens = e.token_budget // 4
+    assert {p.engine.url for t in range(8) if (p := least.place(req([1000 + t] * 320)))} == {"http://e0:8000"}

@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.scheduling.scorers import ScoringInput
 
 
 class Picker(Protocol):
     name: str
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine: ...
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine: ...
 
 
 class MaxScorePicker:
@@ -27,7 +28,7 @@ class MaxScorePicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
         best = max(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
         return tied[next(self._turn) % len(tied)]
@@ -47,7 +48,10 @@ class BoundedLoadPicker:
     Why: prefix affinity alone pins each shared system prompt to the engine its first user landed on,
     for good (8 tenants on 4 engines split 3/2/2/1 as easily as 2/2/2/2), and the load scorer only
     reacts once engines are busy. The bound spreads placements over the window while leaving every
-    engine that is within its share free to win on prefix."""
+    engine that is within its share free to win on prefix. A request that *continues* its own chain
+    on an engine (its match ends at a leaf: the next turn of a conversation) keeps that engine even
+    over the cap: moving it costs a whole re-prefill, while moving a new conversation that only shares
+    a system prompt costs that prompt once per engine."""
 
     name = "bounded_load"
 
@@ -55,30 +59,44 @@ class BoundedLoadPicker:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._factor, self._slack, self._window = factor, slack, window_s
         self._clock = clock
-        self._recent: deque[tuple[float, str]] = deque()
-        self._counts: Counter[str] = Counter()
+        self._recent: deque[tuple[float, str, bool]] = deque()
+        self._counts: Counter[str] = Counter()    # decisions per engine in the window
+        self._founded: Counter[str] = Counter()   # ... of which were cold (nothing cached anywhere)
+        self._cold = False                        # the last call's request was cold
         self._ties = MaxScorePicker()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
         self._forget(self._clock())
         # Shares within this pool only (another model's or role's engines have their own).
         fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
         cap = max(self._factor * fair, fair + self._slack)
-        allowed = [i for i, e in enumerate(engines) if self._counts[e.url] + 1 <= cap]
+        self._cold = not data.matched_blocks
+        allowed = [i for i, e in enumerate(engines)
+                   if self._counts[e.url] + 1 <= cap or e.url in data.continuing]
         if not allowed:
-            return self._ties(engines, scores)
-        return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed])
+            return self._ties(engines, scores, data)
+        if self._cold:
+            # Nothing cached anywhere: this request founds a new prefix "home" (a system prompt, a
+            # tenant) that its followers will stick to. Homes are what get pinned, so spread homes:
+            # the engine that founded the fewest recently, not the one with the fewest requests in
+            # flight this instant (a coin flip when engines are not saturated).
+            least = min(self._founded[engines[i].url] for i in allowed)
+            allowed = [i for i in allowed if self._founded[engines[i].url] == least]
+        return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed], data)
 
     def observe(self, engine: Engine) -> None:
         now = self._clock()
-        self._recent.append((now, engine.url))
+        self._recent.append((now, engine.url, self._cold))
         self._counts[engine.url] += 1
+        self._founded[engine.url] += self._cold
+        self._cold = False
         self._forget(now)
 
     def _forget(self, now: float) -> None:
         while self._recent and self._recent[0][0] < now - self._window:
-            _, url = self._recent.popleft()
+            _, url, cold = self._recent.popleft()
             self._counts[url] -= 1
+            self._founded[url] -= cold
 
 
 class RoundRobinPicker:
@@ -87,7 +105,7 @@ class RoundRobinPicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
         return engines[next(self._turn) % len(engines)]
 
 
@@ -97,7 +115,7 @@ class RandomPicker:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float]) -> Engine:
+    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
         return self._rng.choice(list(engines))
 
 

@@ -139,14 +139,20 @@ class Scheduler:
             pool = f(req, pool, tokens)
         if not pool:
             return None
-        matched = (self.index.match(req.block_hashes) if self.index is not None and req.block_hashes
-                   else {})
-        data = ScoringInput(req, matched, self._block_size)
+        matched: dict[str, int] = {}
+        continuing: frozenset[str] = frozenset()
+        index, hashes = self.index, req.block_hashes
+        if index is not None and hashes:
+            matched = index.match(hashes)
+            # Where the match ends at a leaf (or covers the prompt) the request extends its own chain.
+            continuing = frozenset(url for url, n in matched.items()
+                                   if n == len(hashes) or index.continues(hashes[n - 1]))
+        data = ScoringInput(req, matched, self._block_size, continuing)
         totals = [0.0] * len(pool)
         for scorer, weight in self.profile.scorers:
             for i, s in enumerate(scorer(data, pool)):
                 totals[i] += weight * s
-        engine = self.profile.picker(pool, totals)
+        engine = self.profile.picker(pool, totals, data)
         return engine, data.matched_tokens(engine)
 
     def _commit(self, req: SchedRequest, placement: Placement, path: str = "union") -> Placement:

@@ -17,6 +17,7 @@ class ScoringInput:
     req: SchedRequest
     matched_blocks: dict[str, int]  # engine url → leading prompt blocks it holds (prefix index)
     block_size: int
+    continuing: frozenset[str] = frozenset()  # engines where the request extends its own chain
 
     def matched_tokens(self, engine: Engine) -> int:
         return min(self.matched_blocks.get(engine.url, 0) * self.block_size, self.req.prompt_tokens)

@@ -22,16 +22,24 @@ class PrefixIndex:
         self._clock = clock
         self._owners: dict[BlockHash, set[str]] = {}
         self._blocks: dict[str, OrderedDict[BlockHash, float]] = {}  # engine → block → last use
+        # The chain's shape: how many distinct blocks continue each block (any engine). A prompt
+        # whose match ends where others branch off (a shared system prompt) is a *new* conversation;
+        # one whose match ends at a leaf continues an existing one (see ``continues``).
+        self._parent: dict[BlockHash, BlockHash] = {}
+        self._children: dict[BlockHash, int] = {}
 
     def blocks(self, engine: str) -> int:
         return len(self._blocks.get(engine, ()))
 
-    def add(self, engine: str, hashes: Iterable[BlockHash]) -> None:
+    def add(self, engine: str, hashes: Iterable[BlockHash], parent: BlockHash | None = None) -> None:
+        """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
+        when the chain does not start at the prompt's beginning)."""
         now = self._clock()
         blocks = self._blocks.get(engine)
         if blocks is None:
             blocks = self._blocks[engine] = OrderedDict()
         owners_of = self._owners
+        prev = parent
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
@@ -39,9 +47,13 @@ class PrefixIndex:
                 owners = owners_of.get(h)
                 if owners is None:
                     owners_of[h] = {engine}
+                    if prev is not None and h not in self._parent:
+                        self._parent[h] = prev
+                        self._children[prev] = self._children.get(prev, 0) + 1
                 else:
                     owners.add(engine)
             blocks[h] = now
+            prev = h
         self._trim(engine, blocks, now)
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
@@ -111,9 +123,20 @@ class PrefixIndex:
             blocks.popitem(last=False)
             self._disown(h, engine)
 
+    def continues(self, h: BlockHash) -> bool:
+        """No indexed block continues ``h``: a prompt whose match ends here extends its own chain."""
+        return self._children.get(h, 0) == 0
+
     def _disown(self, h: BlockHash, engine: str) -> None:
         owners = self._owners.get(h)
         if owners is not None:
             owners.discard(engine)
             if not owners:
                 del self._owners[h]
+                parent = self._parent.pop(h, None)
+                if parent is not None:
+                    left = self._children.get(parent, 0) - 1
+                    if left > 0:
+                        self._children[parent] = left
+                    else:
+                        self._children.pop(parent, None)

@@ -228,7 +228,7 @@ class KvEventMirror:
                 self._refs[h] = self._refs.get(h, 0) + 1
         self.stats.blocks_stored += n
         # All of them, not only new refs: refreshes entries someone else (a registry clear) dropped.
-        self.index.add(self.engine, ours)
+        self.index.add(self.engine, ours, parent=seed if ev.parent_block_hash is not None else None)
 
     def _removed(self, ev: BlockRemoved) -> None:
         group = ev.group_idx or 0
