@@ -67,8 +67,10 @@ def build_components(settings: Settings) -> Components:
     elif prefix.source == "precise":
         index = PrefixIndex()
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
+    provisional = PrefixIndex(ttl_s=prefix.pending_ttl_s) if prefix.source == "precise" else None
     scheduler = Scheduler(registry, profile, index=index, block_size=prefix.block_size,
-                          learn=prefix.source == "approximate", topology=settings.topology, metrics=metrics)
+                          learn=prefix.source == "approximate", topology=settings.topology, metrics=metrics,
+                          pending=provisional)
     precise = None
     if prefix.source == "precise" and index is not None:
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),

@@ -117,6 +117,9 @@ class PrefixIndexSettings(BaseModel):
     block_size: int = Field(default=16, ge=1, description="must equal the engines' KV block size")
     capacity_blocks: int = Field(default=200_000, ge=1, description="approximate: blocks kept per engine")
     ttl_s: float = Field(default=900.0, gt=0, description="approximate: forget blocks not used for this long")
+    pending_ttl_s: float = Field(
+        default=10.0, gt=0, description="precise: a routed prompt counts as cached on its engine for this "
+        "long, until the engine's KV events confirm it (covers prefills still running)")
 
 
 class BoundedLoadSettings(BaseModel):

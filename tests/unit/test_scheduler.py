@@ -225,3 +225,23 @@ def test_new_prefix_homes_are_spread_not_piled_on_the_momentarily_idlest_engine(
     for e in least_reg.engines[1:]:
         e.inflight_tokens = e.token_budget // 4
     assert {p.engine.url for t in range(8) if (p := least.place(req([1000 + t] * 320)))} == {"http://e0:8000"}
+
+
+def test_precise_source_counts_prefills_in_flight_until_events_confirm_them() -> None:
+    """With the precise source the index only learns from KV events, which arrive after the prefill;
+    the short-lived pending layer makes a prefix being prefilled attract its followers meanwhile."""
+    now = [0.0]
+    settings = Settings(engines=[EngineSettings(**e) for e in urls(3)],
+                        scheduling=SchedulingSettings(policy="custom", picker="max_score"))
+    registry = EngineRegistry(settings, httpx.AsyncClient())
+    events_index, pending = PrefixIndex(), PrefixIndex(ttl_s=10, clock=lambda: now[0])
+    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room, None)
+    sched = Scheduler(registry, profile, index=events_index, block_size=16, learn=False,
+                      topology=settings.topology, pending=pending)
+    first = sched.place(req(PROMPT))
+    assert first is not None and events_index.blocks(first.engine.url) == 0   # nothing confirmed yet
+    follower = sched.place(req([*PROMPT, 1, 2, 3]))
+    assert follower is not None and follower.engine is first.engine and follower.matched_tokens == 320
+    now[0] = 11.0                                                           # never confirmed: forgotten
+    later = sched.place(req([*PROMPT, 4, 5, 6]))
+    assert later is not None and later.matched_tokens == 0

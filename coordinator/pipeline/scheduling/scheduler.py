@@ -70,10 +70,15 @@ def build_profile(settings: SchedulingSettings, room: Callable[[Engine, int], bo
 class Scheduler:
     def __init__(self, registry: EngineRegistry, profile: Profile, *, index: PrefixIndex | None,
                  block_size: int, learn: bool, topology: TopologySettings,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, pending: PrefixIndex | None = None) -> None:
+        """``learn``: routing decisions feed ``index`` (the approximate source). ``pending``: a short-TTL
+        index that routing decisions feed while ``index`` is fed by the engines' KV events (the precise
+        source): events arrive only once a prefill has stored its blocks, and a prefix being prefilled
+        right now must already attract its followers."""
         self._registry = registry
         self.profile = profile
         self.index = index
+        self.pending = pending
         self._block_size = block_size
         self._learn = learn and index is not None
         self._topology = topology
@@ -117,12 +122,13 @@ class Scheduler:
         return any(e.url not in req.exclude for e in self._registry.eligible(req.model, role))
 
     def forget(self, engine_url: str) -> None:
-        if self.index is not None:
-            self.index.clear(engine_url)
+        for index in (self.index, self.pending):
+            if index is not None:
+                index.clear(engine_url)
 
     # -- stages ---------------------------------------------------------------------------------
     def _prepare(self, req: SchedRequest) -> None:
-        if self.index is not None and req.block_hashes is None:
+        if (self.index is not None or self.pending is not None) and req.block_hashes is None:
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
                                             chain_seed(req.model, req.cache_salt))
 
@@ -139,14 +145,7 @@ class Scheduler:
             pool = f(req, pool, tokens)
         if not pool:
             return None
-        matched: dict[str, int] = {}
-        continuing: frozenset[str] = frozenset()
-        index, hashes = self.index, req.block_hashes
-        if index is not None and hashes:
-            matched = index.match(hashes)
-            # Where the match ends at a leaf (or covers the prompt) the request extends its own chain.
-            continuing = frozenset(url for url, n in matched.items()
-                                   if n == len(hashes) or index.continues(hashes[n - 1]))
+        matched, continuing = self._lookup(req.block_hashes)
         data = ScoringInput(req, matched, self._block_size, continuing)
         totals = [0.0] * len(pool)
         for scorer, weight in self.profile.scorers:
@@ -155,13 +154,36 @@ class Scheduler:
         engine = self.profile.picker(pool, totals, data)
         return engine, data.matched_tokens(engine)
 
+    def _lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
+        """Blocks each engine holds (the longer of the index and the pending layer), and the engines
+        where the request extends its own chain: its match ends at a leaf or covers the prompt."""
+        matched: dict[str, int] = {}
+        continuing: set[str] = set()
+        if not hashes:
+            return matched, frozenset()
+        for index in (self.index, self.pending):
+            if index is None:
+                continue
+            for url, n in index.match(hashes).items():
+                extends = n == len(hashes) or index.continues(hashes[n - 1])
+                best = matched.get(url, 0)
+                if n > best:
+                    matched[url] = n
+                    continuing.discard(url)
+                if n >= best and extends:
+                    continuing.add(url)
+        return matched, frozenset(continuing)
+
     def _commit(self, req: SchedRequest, placement: Placement, path: str = "union") -> Placement:
         if isinstance(self.profile.picker, Observer):
             self.profile.picker.observe(placement.engine)
         for e in placement.engines:
             e.breaker.on_pick()
-            if self._learn and self.index is not None and req.block_hashes:
-                self.index.add(e.url, req.block_hashes)
+            if req.block_hashes:
+                if self._learn and self.index is not None:
+                    self.index.add(e.url, req.block_hashes)
+                if self.pending is not None:
+                    self.pending.add(e.url, req.block_hashes)
         m = self._metrics
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
