@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from coordinator.embedded import EmbeddedCoordinator, free_port
 
-__all__ = ["CoordinatorServer", "free_port", "sse_events", "streamed_text"]
+__all__ = ["CoordinatorServer", "free_port", "sse_events", "streamed_text", "wait_until"]
 
 
 CoordinatorServer = EmbeddedCoordinator
@@ -36,3 +38,13 @@ def streamed_text(events: list[Any], kind: str = "chat") -> dict[int, str]:
             piece = (ch.get("delta") or {}).get("content") if kind == "chat" else ch.get("text")
             texts[ch["index"]] = texts.get(ch["index"], "") + (piece or "")
     return texts
+
+
+def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``pred`` until it holds (state changes on other threads: engines, coordinator tasks)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())

@@ -6,7 +6,6 @@ tests/e2e/test_simulator_wire.py) and lets a test inject engine faults and watch
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVED, CoordinatorFactory
-from tests.support import CoordinatorServer, free_port, sse_events, streamed_text
+from tests.support import CoordinatorServer, free_port, sse_events, streamed_text, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 
@@ -32,15 +31,6 @@ def coord(render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: Coordi
 def chat(**extra: Any) -> dict[str, Any]:
     return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 20, **extra}
-
-
-def wait_until(pred: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def test_stream_and_nonstream_agree_and_usage_is_right(coord: CoordinatorServer) -> None:

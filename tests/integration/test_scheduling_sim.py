@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVED, CoordinatorFactory
-from tests.support import CoordinatorServer, free_port, sse_events, streamed_text
+from tests.support import CoordinatorServer, free_port, sse_events, streamed_text, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 
@@ -36,15 +36,6 @@ def two() -> Iterator[list[SimulatedEngine]]:
 
 def chat(content: str = "Tell me a long story.", **extra: Any) -> dict[str, Any]:
     return {"model": SERVED, "messages": [{"role": "user", "content": content}], "max_tokens": 20, **extra}
-
-
-def wait_until(pred: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def sample(coord: CoordinatorServer, name: str, **labels: str) -> float:

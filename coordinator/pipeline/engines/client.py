@@ -70,13 +70,8 @@ class EngineClient:
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise EngineUnreachable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
-        except httpx.TimeoutException as exc:
-            self.abort_soon(engine, request_id)
-            raise UpstreamTimeout(f"engine {engine.url} timed out") from exc
         except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
+            raise self._send_failed(engine, request_id, exc) from exc
         _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
         data = _json_or_none(resp.content)
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
@@ -98,13 +93,8 @@ class EngineClient:
                                        headers={"X-Request-Id": request_id})
         try:
             resp = await self._http.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise EngineUnreachable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
-        except httpx.TimeoutException as exc:
-            self.abort_soon(engine, request_id)
-            raise UpstreamTimeout(f"engine {engine.url} timed out") from exc
         except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"engine {engine.url} unreachable: {exc.__class__.__name__}") from exc
+            raise self._send_failed(engine, request_id, exc) from exc
         finished = False
         try:
             if resp.status_code != 200:
@@ -137,6 +127,18 @@ class EngineClient:
             await resp.aclose()
             if not finished:
                 self.abort_soon(engine, request_id)
+
+    def _send_failed(self, engine: Engine, request_id: str,
+                     exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:
+        """No connection: the engine never saw the request (safe to retry elsewhere). A timeout: it may be
+        running, so abort it. Anything else: the engine failed."""
+        name = exc.__class__.__name__
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            return EngineUnreachable(f"engine {engine.url} unreachable: {name}")
+        if isinstance(exc, httpx.TimeoutException):
+            self.abort_soon(engine, request_id)
+            return UpstreamTimeout(f"engine {engine.url} timed out")
+        return UpstreamUnavailable(f"engine {engine.url} unreachable: {name}")
 
     def abort_soon(self, engine: Engine, request_id: str) -> None:
         """Fire-and-forget abort by full engine id; tracked so shutdown waits for it."""

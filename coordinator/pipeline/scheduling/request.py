@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.config import EngineRole
 from coordinator.pipeline.engines.registry import Engine
 
 
@@ -43,5 +42,3 @@ class Placement:
     def engines(self) -> list[Engine]:
         return [self.engine] if self.prefill is None else [self.prefill, self.engine]
 
-
-__all__ = ["EngineRole", "Placement", "SchedRequest"]
