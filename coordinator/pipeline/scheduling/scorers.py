@@ -20,7 +20,8 @@ class ScoringInput:
     continuing: frozenset[str] = frozenset()  # engines where the request extends its own chain
 
     def matched_tokens(self, engine: Engine) -> int:
-        return min(self.matched_blocks.get(engine.url, 0) * self.block_size, self.req.prompt_tokens)
+        n = self.matched_blocks.get(engine.url)
+        return 0 if n is None else min(n * self.block_size, self.req.prompt_tokens)
 
 
 class Scorer(Protocol):
@@ -35,6 +36,8 @@ class PrefixScorer:
     name = "prefix"
 
     def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+        if not data.matched_blocks:
+            return [0.0] * len(engines)
         total = max(1, data.req.prompt_tokens)
         return [data.matched_tokens(e) / total for e in engines]
 

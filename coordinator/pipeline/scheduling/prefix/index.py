@@ -22,16 +22,17 @@ class PrefixIndex:
         self._clock = clock
         self._owners: dict[BlockHash, set[str]] = {}
         self._blocks: dict[str, OrderedDict[BlockHash, float]] = {}  # engine → block → last use
-        # The chain's shape: how many distinct blocks continue each block (any engine). A prompt
-        # whose match ends where others branch off (a shared system prompt) is a *new* conversation;
-        # one whose match ends at a leaf continues an existing one (see ``continues``).
-        self._parent: dict[BlockHash, BlockHash] = {}
-        self._children: dict[BlockHash, int] = {}
+        # The chain's shape: blocks that some indexed block continues. A prompt whose match ends
+        # where others branch off (a shared system prompt) is a *new* conversation; one whose match
+        # ends at a leaf continues an existing one (see ``continues``). A flag, not a count, so
+        # learning stays one set operation per block; it is cleared when the block itself goes.
+        self._continued: set[BlockHash] = set()
+        self._expired_at = float("-inf")
 
     def blocks(self, engine: str) -> int:
         return len(self._blocks.get(engine, ()))
 
-    def add(self, engine: str, hashes: Iterable[BlockHash], parent: BlockHash | None = None) -> None:
+    def add(self, engine: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
         when the chain does not start at the prompt's beginning)."""
         now = self._clock()
@@ -47,9 +48,8 @@ class PrefixIndex:
                 owners = owners_of.get(h)
                 if owners is None:
                     owners_of[h] = {engine}
-                    if prev is not None and h not in self._parent:
-                        self._parent[h] = prev
-                        self._children[prev] = self._children.get(prev, 0) + 1
+                    if prev is not None:  # a block new to the index continues ``prev``
+                        self._continued.add(prev)
                 else:
                     owners.add(engine)
             blocks[h] = now
@@ -77,7 +77,10 @@ class PrefixIndex:
         if not hashes:
             return {}
         if self._ttl is not None:
-            self._expire(self._clock())
+            now = self._clock()
+            if now - self._expired_at >= min(1.0, self._ttl / 10):  # TTLs are minutes; sweep ~1/s
+                self._expired_at = now
+                self._expire(now)
         first = self._owners.get(hashes[0])
         if not first:
             return {}
@@ -125,7 +128,7 @@ class PrefixIndex:
 
     def continues(self, h: BlockHash) -> bool:
         """No indexed block continues ``h``: a prompt whose match ends here extends its own chain."""
-        return self._children.get(h, 0) == 0
+        return h not in self._continued
 
     def _disown(self, h: BlockHash, engine: str) -> None:
         owners = self._owners.get(h)
@@ -133,10 +136,4 @@ class PrefixIndex:
             owners.discard(engine)
             if not owners:
                 del self._owners[h]
-                parent = self._parent.pop(h, None)
-                if parent is not None:
-                    left = self._children.get(parent, 0) - 1
-                    if left > 0:
-                        self._children[parent] = left
-                    else:
-                        self._children.pop(parent, None)
+                self._continued.discard(h)
