@@ -91,7 +91,7 @@ def build_components(settings: Settings) -> Components:
                 background(precise.detach(engine.url))
         elif event == "added" and precise is not None and engine.kv_events:
             background(precise.attach(engine.url, engine.kv_events,
-                                      _engine_model(settings, registry, engine.url)))
+                                      _engine_model(settings, registry, engine.url), engine.kv_events_replay))
         admission.wake()
 
     registry.add_listener(on_engine)
@@ -127,7 +127,8 @@ def build_app(settings: Settings) -> FastAPI:
         if c.precise is not None:
             for e in c.registry.engines:
                 if e.kv_events:
-                    await c.precise.attach(e.url, e.kv_events, _engine_model(c.settings, c.registry, e.url))
+                    await c.precise.attach(e.url, e.kv_events, _engine_model(c.settings, c.registry, e.url),
+                                           e.kv_events_replay)
         await c.registry.start()
         sync = asyncio.create_task(_sync_catalog(c))
         try:

@@ -68,6 +68,10 @@ class EngineSettings(BaseModel):
         default=None, description="ZMQ endpoint where the engine publishes KV cache events "
         "(precise prefix index); e.g. tcp://engine-0:5557",
     )
+    kv_events_replay: str | None = Field(
+        default=None, description="the engine's KV-events replay endpoint (vLLM `replay_endpoint`): "
+        "missed batches are fetched from it",
+    )
     drain: bool = Field(default=False, description="take no new requests; in-flight ones finish")
 
 
@@ -81,6 +85,9 @@ class DiscoverySettings(BaseModel):
     model: str | None = None
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
+    )
+    kv_events_replay_port: int | None = Field(
+        default=None, ge=1, le=65535, description="when set, each address serves KV-event replay here"
     )
     interval_s: float = Field(default=10.0, gt=0)
 

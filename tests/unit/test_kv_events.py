@@ -285,3 +285,45 @@ async def test_zmq_round_trip() -> None:
         await source.stop_all()
         pub.close(linger=0)
         ctx.term()
+
+
+async def test_missed_batches_are_replayed_from_vllms_replay_socket() -> None:
+    """vLLM's own publisher (PUB + ROUTER replay buffer): batches published while the subscriber was
+    away are fetched from the replay socket before the next live batch is applied, so the index ends
+    up exactly as if nothing had been missed."""
+    index = PrefixIndex()
+    port, replay_port = free_port(), free_port()
+    publisher = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}",
+                                     topic="kv")
+    ctx = zmq.asyncio.Context()
+    mirror = KvEventMirror(index, ENGINE, MODEL, BS)
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx,
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    a_toks, a_hs = run_of(PROMPT, BS)
+    b_toks, b_hs = run_of(OTHER, BS)
+    try:
+        sub.start()
+
+        async def publish_empty() -> None:  # a fresh SUB misses what was sent before it joined
+            publisher.publish(kv.KVEventBatch(ts=time.time(), events=[]))
+
+        assert await wait_for(lambda: sub.last_seq is not None, publish_empty)
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[stored(a_toks, a_hs)]))
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18})
+        seen = sub.last_seq
+        assert seen is not None
+        await sub.stop_quietly()                            # away: the next two batches are missed
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[stored(b_toks, b_hs)]))
+        publisher.publish(kv.KVEventBatch(ts=time.time(), events=[removed(a_hs[9:])]))
+        await asyncio.sleep(0.2)
+        sub.start()
+        await asyncio.sleep(0.3)                            # let the SUB socket join again
+
+        assert await wait_for(lambda: (sub.last_seq or 0) >= seen + 3, publish_empty)
+        assert sub.replayed == 2 and sub.gaps == 0
+        assert index.match(ours(OTHER)) == {ENGINE: 18}    # stored while away, replayed
+        assert index.match(ours(PROMPT)) == {ENGINE: 9}    # removed while away, replayed
+    finally:
+        await sub.stop()
+        publisher.shutdown()
+        ctx.term()

@@ -380,13 +380,13 @@ def discovery(**kw: Any) -> DiscoverySettings:
 
 async def test_discovery_builds_engine_settings() -> None:
     res = Resolver("10.0.0.2", "10.0.0.1", "fd00::7", "10.0.0.1")
-    d = DnsDiscovery(discovery(role="decode", model=MODEL, kv_events_port=5557), res)
+    d = DnsDiscovery(discovery(role="decode", model=MODEL, kv_events_port=5557, kv_events_replay_port=5558), res)
     found = await d.discover()
     assert res.asked == [("engines.ns.svc.cluster.local", 8200)]
-    assert [(e.url, e.kv_events, e.role, e.model) for e in found] == [
-        ("http://10.0.0.1:8200", "tcp://10.0.0.1:5557", "decode", MODEL),
-        ("http://10.0.0.2:8200", "tcp://10.0.0.2:5557", "decode", MODEL),
-        ("http://[fd00::7]:8200", "tcp://[fd00::7]:5557", "decode", MODEL),
+    assert [(e.url, e.kv_events, e.kv_events_replay, e.role, e.model) for e in found] == [
+        ("http://10.0.0.1:8200", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "decode", MODEL),
+        ("http://10.0.0.2:8200", "tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "decode", MODEL),
+        ("http://[fd00::7]:8200", "tcp://[fd00::7]:5557", "tcp://[fd00::7]:5558", "decode", MODEL),
     ]
     assert [e.kv_events for e in await DnsDiscovery(discovery(), res).discover()] == [None] * 3
 

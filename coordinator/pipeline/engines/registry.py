@@ -48,6 +48,7 @@ class Engine:
     token_budget: int
     breaker: CircuitBreaker
     kv_events: str | None = None
+    kv_events_replay: str | None = None
     state: EngineState = "healthy"   # optimistic until the first probe says otherwise
     inflight_requests: int = 0
     inflight_tokens: int = 0
@@ -176,7 +177,8 @@ class EngineRegistry:
                 engine = Engine(url, s.role, s.model, s.weight, self._budget(s),
                                 CircuitBreaker(self._settings.resilience.breaker_failures,
                                                self._settings.resilience.breaker_cooldown_s, self._clock),
-                                kv_events=s.kv_events, drain_requested=s.drain)
+                                kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
+                                drain_requested=s.drain)
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -187,6 +189,7 @@ class EngineRegistry:
                       engine.removed, engine.drain_requested)
             engine.role, engine.model, engine.weight = s.role, s.model, s.weight
             engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
+            engine.kv_events_replay = s.kv_events_replay
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain

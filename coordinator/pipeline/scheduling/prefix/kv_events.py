@@ -277,15 +277,22 @@ class KvEventSubscriber:
     """SUB socket on one engine's publisher, applying every batch to ``mirror``.
 
     vLLM's ``tcp://*:PORT`` endpoint binds, so we connect (ZMQ reconnects by itself if the engine
-    restarts). Sequence numbers are checked: a gap means lost batches (logged and counted; the index
-    may hold stale blocks or miss some until they are evicted or re-stored; replaying from vLLM's
-    ``replay_endpoint`` is not built); a sequence that goes backwards means the publisher restarted,
-    so the engine's cache is empty and we reset the mirror.
+    restarts). Sequence numbers are checked: a gap means lost batches, which are fetched from the
+    engine's ``replay_endpoint`` (vLLM's ROUTER socket: send the first missing sequence number, get
+    the buffered batches and an end marker) when one is configured; otherwise, or if the replay comes
+    back short, the gap is logged and counted and the index may hold stale blocks or miss some until
+    they are evicted or re-stored. A sequence that goes backwards means the publisher restarted, so
+    the engine's cache is empty and we reset the mirror.
     """
 
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+    REPLAY_TIMEOUT_S = 2.0
+
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, replay_endpoint: str | None = None) -> None:
         self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.replayed = 0
         self.mirror = mirror
         self.topic = topic
         self.last_seq: int | None = None
@@ -316,6 +323,12 @@ class KvEventSubscriber:
 
     async def stop(self) -> None:
         """Stop receiving and forget this engine's blocks (nothing keeps them current any more)."""
+        await self.stop_quietly()
+        self.mirror.reset()
+
+    async def stop_quietly(self) -> None:
+        """Disconnect but keep the mirror and the sequence position (a later ``start`` resumes, and
+        replays what it missed)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -324,15 +337,46 @@ class KvEventSubscriber:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        self.mirror.reset()
 
     async def _run(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart()
             try:
+                last = self.last_seq
+                if (self.replay_endpoint is not None and last is not None and len(frames) == 3
+                        and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") > last + 1):
+                    await self.replay(last + 1, int.from_bytes(frames[1], "big"))
                 self.handle(frames)
             except Exception:  # one bad batch must not end the subscription
                 log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
+
+    async def replay(self, first: int, stop: int) -> int:
+        """Fetch batches ``first`` … ``stop - 1`` from the engine's replay socket and apply them in
+        order; returns how many were applied (a short replay leaves a gap for ``handle`` to count)."""
+        assert self.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        applied = 0
+        try:
+            await sock.send_multipart([b"", first.to_bytes(8, "big")])
+            while True:
+                async with asyncio.timeout(self.REPLAY_TIMEOUT_S):
+                    frames = await sock.recv_multipart()
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) != 3 or body[1] == self.END_SEQ:
+                    break
+                seq = int.from_bytes(body[1], "big")
+                if self.last_seq is not None and seq == self.last_seq + 1 and seq < stop:
+                    self.handle(body)
+                    applied += 1
+        except TimeoutError:
+            log.warning("KV events from %s: replay from %s timed out", self.mirror.engine,
+                        self.replay_endpoint)
+        finally:
+            sock.close(linger=0)
+        self.replayed += applied
+        return applied
 
     def handle(self, frames: Sequence[bytes]) -> None:
         """One multipart message ``[topic, seq, payload]``."""
@@ -375,17 +419,19 @@ class PreciseIndexSource:
         self._ctx = context
         self.subscribers: dict[str, KvEventSubscriber] = {}
 
-    async def attach(self, engine_url: str, endpoint: str, model: str | None = None) -> KvEventSubscriber:
-        """Idempotent for the same endpoint and model; a changed one replaces the subscriber."""
+    async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
+                     replay: str | None = None) -> KvEventSubscriber:
+        """Idempotent for the same endpoints and model; a changed one replaces the subscriber."""
         endpoint = connect_endpoint(endpoint, engine_url)
+        replay = connect_endpoint(replay, engine_url) if replay else None
         model = model or self.model_of(engine_url)
         sub = self.subscribers.get(engine_url)
         if sub is not None:
-            if sub.endpoint == endpoint and sub.mirror.model == model:
+            if sub.endpoint == endpoint and sub.mirror.model == model and sub.replay_endpoint == replay:
                 return sub
             await self.detach(engine_url)
         mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
-        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx)
+        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay)
         sub.start()
         self.subscribers[engine_url] = sub
         log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)
