@@ -255,7 +255,7 @@ async def test_no_healthy_engine_fails_a_waiter() -> None:
     holder = await ctl.admit(req(100), place)
     waiter = asyncio.create_task(ctl.admit(req(50), place))
     await settle()
-    e.state = "unhealthy"                         # no release: the periodic wake notices
+    e.probe_ok = False                         # no release: the periodic wake notices
     with pytest.raises(NoHealthyEngine):
         await asyncio.wait_for(waiter, 2.0)
     assert ctl.queue_length == 0

@@ -104,7 +104,7 @@ def test_full_engines_mean_wait_and_no_engine_means_503() -> None:
         e.inflight_tokens = 300                            # 300 + 336 > 400 everywhere
     assert sched.place(req(PROMPT)) is None               # None = wait for capacity
     for e in reg.engines:
-        e.state = "unhealthy"
+        e.probe_ok = False
     with pytest.raises(NoHealthyEngine):
         sched.place(req(PROMPT))
 
@@ -153,7 +153,7 @@ def test_conditional_pd_skips_prefill_when_the_decode_engine_has_the_prompt() ->
 
 def test_decode_engine_prefills_itself_when_no_prefill_engine_is_healthy() -> None:
     sched, reg, _, _ = make(PD, pd_min=0)
-    reg.engines[0].state = "unhealthy"
+    reg.engines[0].probe_ok = False
     placement = sched.place(req(PROMPT))
     assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
 

@@ -49,17 +49,24 @@ class Engine:
     breaker: CircuitBreaker
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    state: EngineState = "healthy"   # optimistic until the first probe says otherwise
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
-    # Inputs of ``state`` (the registry derives it; set them through the registry, not directly):
+    # Inputs of ``state`` (set them through the registry, which publishes and announces changes):
     drain_requested: bool = False    # config ``drain: true`` or ``drain(url)``
     removed: bool = False            # gone from config/discovery: dropped once idle
     probe_ok: bool | None = None     # last health verdict; None = not probed yet (counts as healthy)
 
     def serves(self, model: str) -> bool:
         return self.model is None or self.model == model
+
+    @property
+    def state(self) -> EngineState:
+        """Draining wins over health, so a good probe never puts a draining engine back in rotation;
+        not probed yet counts as healthy (optimistic until the first probe says otherwise)."""
+        if self.removed or self.drain_requested:
+            return "draining"
+        return "unhealthy" if self.probe_ok is False else "healthy"
 
     @property
     def healthy(self) -> bool:
@@ -74,11 +81,7 @@ class Engine:
         """Can take a new request now: healthy, not draining, breaker lets it through."""
         return self.state == "healthy" and self.breaker.available()
 
-    def derived_state(self) -> EngineState:
-        """Draining wins over health, so a good probe never puts a draining engine back in rotation."""
-        if self.removed or self.drain_requested:
-            return "draining"
-        return "unhealthy" if self.probe_ok is False else "healthy"
+
 
 
 class EngineRegistry:
@@ -265,10 +268,9 @@ class EngineRegistry:
 
     def _sync(self, engine: Engine, *, notify: bool = True, force: bool = False,
               failed: bool = False) -> None:
-        """Derive the state, publish metrics, and tell listeners when state or breaker changed."""
+        """Publish metrics, and tell listeners when state or breaker changed."""
         if not self._is_current(engine):
             return
-        engine.state = engine.derived_state()
         now = (engine.state, engine.breaker.state)
         prev = self._published.get(engine.url)
         self._published[engine.url] = now
