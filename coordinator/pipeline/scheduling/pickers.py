@@ -38,7 +38,7 @@ class MaxScorePicker:
 class Observer(Protocol):
     """A stage that learns from committed decisions (the scheduler calls it once per placement)."""
 
-    def observe(self, engine: Engine) -> None: ...
+    def observe(self, engine: Engine, data: ScoringInput) -> None: ...
 
 
 class BoundedLoadPicker:
@@ -62,7 +62,6 @@ class BoundedLoadPicker:
         self._recent: deque[tuple[float, str, bool]] = deque()
         self._counts: Counter[str] = Counter()    # decisions per engine in the window
         self._founded: Counter[str] = Counter()   # ... of which were cold (nothing cached anywhere)
-        self._cold = False                        # the last call's request was cold
         self._ties = MaxScorePicker()
 
     def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
@@ -70,12 +69,11 @@ class BoundedLoadPicker:
         # Shares within this pool only (another model's or role's engines have their own).
         fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
         cap = max(self._factor * fair, fair + self._slack)
-        self._cold = not data.matched_blocks
         allowed = [i for i, e in enumerate(engines)
                    if self._counts[e.url] + 1 <= cap or e.url in data.continuing]
         if not allowed:
             return self._ties(engines, scores, data)
-        if self._cold:
+        if not data.matched_blocks:
             # Nothing cached anywhere: this request founds a new prefix "home" (a system prompt, a
             # tenant) that its followers will stick to. Homes are what get pinned, so spread homes:
             # the engine that founded the fewest recently, not the one with the fewest requests in
@@ -84,12 +82,12 @@ class BoundedLoadPicker:
             allowed = [i for i in allowed if self._founded[engines[i].url] == least]
         return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed], data)
 
-    def observe(self, engine: Engine) -> None:
+    def observe(self, engine: Engine, data: ScoringInput) -> None:
         now = self._clock()
-        self._recent.append((now, engine.url, self._cold))
+        cold = not data.matched_blocks
+        self._recent.append((now, engine.url, cold))
         self._counts[engine.url] += 1
-        self._founded[engine.url] += self._cold
-        self._cold = False
+        self._founded[engine.url] += cold
         self._forget(now)
 
     def _forget(self, now: float) -> None:

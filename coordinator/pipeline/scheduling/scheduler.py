@@ -98,23 +98,26 @@ class Scheduler:
         handoff = self.uses_handoff(req.model)
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
+        matched, continuing = self._lookup(req.block_hashes)  # once, for every role below
+        data = ScoringInput(req, matched, self._block_size, continuing)
         if not handoff:
-            chosen = self._choose(req, "union", req.cost_tokens)
-            return None if chosen is None else self._commit(req, Placement(chosen[0], None, chosen[1]))
-        chosen = self._choose(req, "decode", req.cost_tokens)
-        if chosen is None:
+            engine = self._choose(data, "union", req.cost_tokens)
+            return None if engine is None else self._commit(data, Placement(engine, None,
+                                                                            data.matched_tokens(engine)))
+        decode = self._choose(data, "decode", req.cost_tokens)
+        if decode is None:
             return None
-        decode, matched = chosen
-        if req.prompt_tokens - matched < self._topology.pd_min_uncached_tokens:
-            return self._commit(req, Placement(decode, None, matched), path="decode_only")
+        local = Placement(decode, None, data.matched_tokens(decode))
+        if req.prompt_tokens - local.matched_tokens < self._topology.pd_min_uncached_tokens:
+            return self._commit(data, local, path="decode_only")
         try:
-            pre = self._choose(req, "prefill", req.prompt_tokens + 1)
+            prefill = self._choose(data, "prefill", req.prompt_tokens + 1)
         except NoHealthyEngine:
             # No prefill engine left at all: the decode engine prefills locally rather than failing.
-            return self._commit(req, Placement(decode, None, matched), path="decode_only")
-        if pre is None:
+            return self._commit(data, local, path="decode_only")
+        if prefill is None:
             return None
-        return self._commit(req, Placement(decode, pre[0], matched), path="handoff")
+        return self._commit(data, Placement(decode, prefill, local.matched_tokens), path="handoff")
 
     def has_other_engine(self, req: SchedRequest) -> bool:
         """Whether a retry has somewhere to go (an eligible engine this request has not failed on)."""
@@ -132,7 +135,8 @@ class Scheduler:
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
                                             chain_seed(req.model, req.cache_salt))
 
-    def _choose(self, req: SchedRequest, role: EngineRole, tokens: int) -> tuple[Engine, int] | None:
+    def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
+        req = data.req
         eligible = self._registry.eligible(req.model, role)
         if not eligible:
             raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
@@ -145,14 +149,11 @@ class Scheduler:
             pool = f(req, pool, tokens)
         if not pool:
             return None
-        matched, continuing = self._lookup(req.block_hashes)
-        data = ScoringInput(req, matched, self._block_size, continuing)
         totals = [0.0] * len(pool)
         for scorer, weight in self.profile.scorers:
             for i, s in enumerate(scorer(data, pool)):
                 totals[i] += weight * s
-        engine = self.profile.picker(pool, totals, data)
-        return engine, data.matched_tokens(engine)
+        return self.profile.picker(pool, totals, data)
 
     def _lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
         """Blocks each engine holds (the longer of the index and the pending layer), and the engines
@@ -174,9 +175,10 @@ class Scheduler:
                     continuing.add(url)
         return matched, frozenset(continuing)
 
-    def _commit(self, req: SchedRequest, placement: Placement, path: str = "union") -> Placement:
+    def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
+        req = data.req
         if isinstance(self.profile.picker, Observer):
-            self.profile.picker.observe(placement.engine)
+            self.profile.picker.observe(placement.engine, data)
         for e in placement.engines:
             e.breaker.on_pick()
             if req.block_hashes:
