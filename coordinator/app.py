@@ -52,8 +52,7 @@ class Components:
 
 
 def build_components(settings: Settings) -> Components:
-    pipeline_ref: list[Pipeline] = []
-    metrics = Metrics(lambda: pipeline_ref[0].inflight if pipeline_ref else 0)
+    metrics = Metrics()
     sidecar = SidecarClient(settings.render)
     engines = EngineClient(settings.engine_client)
     registry = EngineRegistry(settings, engines.http, metrics)
@@ -106,7 +105,7 @@ def build_components(settings: Settings) -> Components:
         queue_chunks=settings.stream.queue_chunks,
         early_refusal=admission.check_early,
     )
-    pipeline_ref.append(pipeline)
+    metrics.inflight.set_function(lambda: pipeline.inflight)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics)
 

@@ -6,19 +6,16 @@ values of their own coordinator (no process-global registry).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self, inflight: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.inflight = Gauge("coordinator_inflight_requests", "Client requests currently in flight",
-                              registry=r)
-        self.inflight.set_function(inflight)
+                              registry=r)  # app.py points it at the pipeline's count
         # --- admission ---
         self.queue_length = Gauge("coordinator_queue_length", "Requests waiting for admission", registry=r)
         self.queue_wait = Histogram("coordinator_queue_wait_seconds", "Time from arrival to admission",
@@ -53,10 +50,15 @@ class Metrics:
                                          registry=r)
         self.prefix_hit_ratio = Gauge("coordinator_prefix_hit_ratio",
                                       "prefix_hit_tokens / prefix_query_tokens since start", registry=r)
-        self.prefix_hit_ratio.set_function(self._hit_ratio)
+        self._query_tokens = self._hit_tokens = 0  # the counters' totals, for the ratio
+        self.prefix_hit_ratio.set_function(
+            lambda: self._hit_tokens / self._query_tokens if self._query_tokens else 0.0)
         self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
                                 ["path"], registry=r)
 
-    def _hit_ratio(self) -> float:
-        q = self.prefix_query_tokens._value.get()
-        return float(self.prefix_hit_tokens._value.get() / q) if q else 0.0
+    def prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """One routing decision: how much of the prompt the picked engine holds, per the index."""
+        self.prefix_query_tokens.inc(prompt_tokens)
+        self.prefix_hit_tokens.inc(hit_tokens)
+        self._query_tokens += prompt_tokens
+        self._hit_tokens += hit_tokens

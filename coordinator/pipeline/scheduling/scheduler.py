@@ -190,6 +190,5 @@ class Scheduler:
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
             m.handoffs.labels(path).inc()
-            m.prefix_query_tokens.inc(req.prompt_tokens)
-            m.prefix_hit_tokens.inc(placement.matched_tokens)
+            m.prefix_lookup(req.prompt_tokens, placement.matched_tokens)
         return placement
