@@ -52,22 +52,21 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
 
     @router.post("/engines/drain")
     async def drain(request: Request, url: str) -> Response:
-        try:
-            guarded(request)
-            registry.drain(find(url).url)
-        except PipelineError as exc:
-            return error_response(exc)
-        return JSONResponse(describe(find(url)))
+        return set_drain(request, url, drain=True)
 
     @router.post("/engines/undrain")
     async def undrain(request: Request, url: str) -> Response:
+        return set_drain(request, url, drain=False)
+
+    def set_drain(request: Request, url: str, *, drain: bool) -> Response:
         try:
             guarded(request)
-            registry.undrain(find(url).url)
+            engine = find(url)
         except PipelineError as exc:
             return error_response(exc)
-        admission.wake()
-        return JSONResponse(describe(find(url)))
+        # The registry announces the change; app.py's listener wakes the admission queue.
+        (registry.drain if drain else registry.undrain)(engine.url)
+        return JSONResponse(describe(engine))
 
     @router.put("/engines")
     async def replace(request: Request) -> Response:
@@ -81,7 +80,6 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
             registry.update(items)
         except PipelineError as exc:
             return error_response(exc)
-        admission.wake()
         return JSONResponse({"engines": [describe(e) for e in registry.engines]})
 
     return router

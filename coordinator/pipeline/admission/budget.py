@@ -31,17 +31,17 @@ class TokenLedger:
         return self._global_inflight
 
     def engine_room(self, engine: Engine, tokens: int) -> bool:
-        """Can ``engine`` take ``tokens`` more? An idle engine always can: a request larger than the
-        whole budget then runs alone instead of waiting for room that can never appear."""
-        if not self.enforce or engine.inflight_tokens == 0:
-            return True
-        return engine.inflight_tokens + tokens <= engine.token_budget
+        """Can ``engine`` take ``tokens`` more?"""
+        return self._fits(engine.inflight_tokens, tokens, engine.token_budget)
 
     def global_room(self, tokens: int) -> bool:
         """The same rule against the global limit (None = unlimited)."""
-        if not self.enforce or self.global_limit is None or self._global_inflight == 0:
-            return True
-        return self._global_inflight + tokens <= self.global_limit
+        return self._fits(self._global_inflight, tokens, self.global_limit)
+
+    def _fits(self, inflight: int, tokens: int, limit: int | None) -> bool:
+        """An idle budget always fits: a request larger than the whole budget then runs alone instead
+        of waiting for room that can never appear."""
+        return not self.enforce or limit is None or inflight == 0 or inflight + tokens <= limit
 
     def reserve(self, placement: Placement, tokens: int, prefill_tokens: int = 0) -> Reservation:
         """Count ``tokens`` on the decoding engine and globally, ``prefill_tokens`` on a P/D prefill
