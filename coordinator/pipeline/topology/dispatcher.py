@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tenacity import (
@@ -92,13 +92,8 @@ class Dispatcher:
             params = await self._prefill_leg(grant, plan, req)
             engine = grant.placement.engine
             rid = attempt_id(plan.generate["request_id"])
-            try:
-                resp = await self._client.generate(engine, decode_body(plan.generate, params), rid)
-            except BaseException as exc:
-                self._failed(engine, exc, req)
-                raise
-            self._registry.record_success(engine)
-            return resp
+            with self._outcome(engine, req):
+                return await self._client.generate(engine, decode_body(plan.generate, params), rid)
         finally:
             self._release(grant)
 
@@ -110,13 +105,9 @@ class Dispatcher:
             params = await self._prefill_leg(grant, plan, req)
             engine = grant.placement.engine
             rid = attempt_id(plan.generate["request_id"])
-            try:
+            with self._outcome(engine, req):
                 chunks = await stack.enter_async_context(self._client.stream(
                     engine, decode_body(plan.generate, params), rid, include_usage=ctx.include_usage))
-            except BaseException as exc:
-                self._failed(engine, exc, req)
-                raise
-            self._registry.record_success(engine)
             return grant, stack, chunks
         except BaseException:
             await stack.aclose()
@@ -136,14 +127,11 @@ class Dispatcher:
             return None
         rid = attempt_id(plan.generate["request_id"], "p")
         try:
-            resp = await self._client.generate(
-                pre, prefill_body(plan.generate, self._topology.prefill_kv_transfer_params), rid)
-        except BaseException as exc:
-            self._failed(pre, exc, req)
-            raise
+            with self._outcome(pre, req):
+                resp = await self._client.generate(
+                    pre, prefill_body(plan.generate, self._topology.prefill_kv_transfer_params), rid)
         finally:
             grant.release_engine(pre)
-        self._registry.record_success(pre)
         params = resp.get("kv_transfer_params")
         return params if isinstance(params, dict) else None
 
@@ -178,6 +166,16 @@ class Dispatcher:
         grant.release()
         for engine in grant.placement.engines:
             self._registry.on_idle(engine)  # a removed engine leaves the pool once its last request ends
+
+    @contextlib.contextmanager
+    def _outcome(self, engine: Engine, req: SchedRequest) -> Iterator[None]:
+        """Around one engine call: its success or failure feeds the engine's breaker."""
+        try:
+            yield
+        except BaseException as exc:
+            self._failed(engine, exc, req)
+            raise
+        self._registry.record_success(engine)
 
     def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
         """Feed the breaker and steer a retry away from this engine."""

@@ -13,7 +13,9 @@ engine hash → our hashes, which ``BlockRemoved`` (hashes only) needs.
 The wire types are our own msgspec Structs mirroring ``vllm.distributed.kv_events`` (checked
 against vLLM 0.32): the batch is ``array_like`` (``[ts, events, data_parallel_rank]``), each event a
 map tagged by its class name under ``"type"``. Unknown fields are ignored and unknown event types
-are skipped, so newer engines keep working.
+are skipped, so newer engines keep working. (``token_engine/simulator/kv_events.py`` holds the
+publishing side's copy: the coordinator ships without vLLM and without the test packages, and the
+simulator must not import the coordinator, so each mirrors vLLM on its own.)
 """
 
 from __future__ import annotations
