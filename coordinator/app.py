@@ -60,37 +60,42 @@ def build_components(settings: Settings) -> Components:
     ledger = TokenLedger(adm.global_tokens if adm.enabled else None)
     admission = AdmissionController(adm, ledger, metrics)
     prefix = settings.scheduling.prefix
-    index: PrefixIndex | None = None
-    if prefix.source == "approximate":
-        index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
-    elif prefix.source == "precise":
-        index = PrefixIndex()
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
-    provisional = PrefixIndex(ttl_s=prefix.pending_ttl_s) if prefix.source == "precise" else None
-    scheduler = Scheduler(registry, profile, index=index, block_size=prefix.block_size,
-                          learn=prefix.source == "approximate", topology=settings.topology, metrics=metrics,
-                          pending=provisional)
-    precise = None
-    if prefix.source == "precise" and index is not None:
+    precise: PreciseIndexSource | None = None
+    if prefix.source == "approximate":
+        scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
+                              metrics=metrics, learn=True,
+                              index=PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s))
+    elif prefix.source == "precise":
+        index = PrefixIndex()  # fed by the engines' KV events; routing feeds only the pending layer
+        scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
+                              metrics=metrics, learn=False, index=index,
+                              pending=PrefixIndex(ttl_s=prefix.pending_ttl_s))
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
                                      prefix.block_size)
+    else:
+        scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
+                              metrics=metrics, learn=False, index=None)
 
-    pending: set[asyncio.Task[object]] = set()
+    tasks: set[asyncio.Task[object]] = set()
 
     def background(work: Coroutine[object, object, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def on_engine(event: str, engine: Engine) -> None:
-        """Engines come and go (config, discovery): keep the index and its event feeds in step."""
+        """Engines come, change and go (config, discovery): keep the index and its event feeds in
+        step (``attach`` is a no-op for an unchanged endpoint), and let waiters retry."""
         if event == "removed":
             scheduler.forget(engine.url)
             if precise is not None:
                 background(precise.detach(engine.url))
-        elif event == "added" and precise is not None and engine.kv_events:
-            background(precise.attach(engine.url, engine.kv_events,
-                                      _engine_model(settings, registry, engine.url), engine.kv_events_replay))
+        elif precise is not None:
+            if engine.kv_events:
+                background(precise.attach(engine.url, engine.kv_events, replay=engine.kv_events_replay))
+            elif engine.url in precise.subscribers:
+                background(precise.detach(engine.url))
         admission.wake()
 
     registry.add_listener(on_engine)
@@ -126,8 +131,7 @@ def build_app(settings: Settings) -> FastAPI:
         if c.precise is not None:
             for e in c.registry.engines:
                 if e.kv_events:
-                    await c.precise.attach(e.url, e.kv_events, _engine_model(c.settings, c.registry, e.url),
-                                           e.kv_events_replay)
+                    await c.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
         await c.registry.start()
         sync = asyncio.create_task(_sync_catalog(c))
         try:
