@@ -70,7 +70,8 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self.state == "healthy"
+        # ``state == "healthy"`` spelled out: read for every engine on every scheduling decision.
+        return self.probe_ok is not False and not self.removed and not self.drain_requested
 
     @property
     def draining(self) -> bool:
@@ -79,7 +80,7 @@ class Engine:
     @property
     def available(self) -> bool:
         """Can take a new request now: healthy, not draining, breaker lets it through."""
-        return self.state == "healthy" and self.breaker.available()
+        return self.healthy and self.breaker.available()
 
 
 
