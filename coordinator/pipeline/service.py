@@ -18,7 +18,13 @@ from typing import Any
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer, request_view
-from coordinator.pipeline.derender.fixups import stops_on_token, tool_call_finish_reason, without_stop_token
+from coordinator.pipeline.derender.fixups import (
+    eos_stop_reason,
+    stops_on_token,
+    tool_call_finish_reason,
+    without_stop_token,
+)
+from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import PromptStream
 from coordinator.pipeline.errors import BadRequest
@@ -103,6 +109,7 @@ class Pipeline:
             trimmed.append({**resp, "choices": choices})
         out = await self._derender.batch(ctx, trimmed)
         out["id"] = ctx.response_id
+        out["system_fingerprint"] = system_fingerprint(ctx.model)
         self._finish_choices(ctx, out, blank)
         usage = out.get("usage") or {}
         usage["completion_tokens"] = counted
@@ -142,6 +149,8 @@ class Pipeline:
                   and isinstance(holder.get(key), str)):
                 # Batch derender returns the text of all kept tokens; the stop string ends it.
                 holder[key] = truncate_at_stop(holder[key], plan.stop)[0]
+            if not isinstance(choice.get("stop_reason"), str):
+                eos_stop_reason(choice, ctx.body.get("stop_token_ids"))
             if ctx.kind == "chat":
                 tool_call_finish_reason(choice, ctx.body.get("tool_choice"))
 
@@ -228,10 +237,11 @@ class StreamSession:
     def usage_chunk(self) -> dict[str, Any]:
         prompt = sum(p.prompt_tokens for p in self.ctx.prompts)
         completion = sum(ps.completion_tokens for ps, _ in self._streams)
-        return {"id": self.ctx.response_id, "object": self.ctx.object_name, "created": self.ctx.created,
-                "model": self.ctx.model, "choices": [],
-                "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                          "completion_tokens": completion}}
+        return shape_usage_chunk(self.ctx, {
+            "id": self.ctx.response_id, "object": self.ctx.object_name, "created": self.ctx.created,
+            "model": self.ctx.model, "choices": [],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                      "completion_tokens": completion}})
 
     async def aclose(self) -> None:
         """Cancel and await every producer, then close the engine streams (which aborts them)."""

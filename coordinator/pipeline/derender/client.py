@@ -31,6 +31,11 @@ class Derenderer:
         # With a tool or reasoning parser the sidecar needs the full prompt on every chunk.
         self._parsers = parsers
 
+    @property
+    def parsers(self) -> bool:
+        """A tool or reasoning parser is configured (chunks then carry what the parser built)."""
+        return self._parsers
+
     async def stream_chunk(self, ctx: RequestContext, plan: PromptPlan, chunk: dict[str, Any],
                            state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Derender one engine chunk; returns the OpenAI chunk and the next ``stream_state``."""

@@ -10,6 +10,10 @@ Each correction names the native behaviour it restores (vLLM 0.32 source):
 * **Tool calls finish with ``tool_calls``.** Native chat serving reports ``finish_reason:
   "tool_calls"`` when the auto tool parser found calls (or ``tool_choice: "required"`` ended
   normally); batch derender passes the engine's ``"stop"`` through.
+* **EOS has no ``stop_reason``.** A native engine knows the tokenizer's EOS and finishes on it with
+  ``stop_reason: null`` (``v1/core/sched/utils.py``, ``check_stop``); a ``--tokens-only`` engine has
+  no tokenizer, takes EOS from the generation config into ``stop_token_ids`` and reports it as
+  ``stop_reason: 2``. A stop token the client did not ask for is therefore reported as ``null``.
 * **Tool-call deltas carry only what is set.** Native chunks are written with
   ``exclude_unset``; derender's chunks have explicit ``null`` for ``id``/``type``/``name`` after the
   first fragment, which the OpenAI SDK's stream helper then copies over the real values.
@@ -30,6 +34,13 @@ def stops_on_token(choice: dict[str, Any], spec: StopSpec) -> bool:
 
 def without_stop_token(choice: dict[str, Any]) -> dict[str, Any]:
     return {**choice, "token_ids": list(choice["token_ids"])[:-1]}
+
+
+def eos_stop_reason(choice: dict[str, Any], client_stop_token_ids: Any) -> None:
+    """Output choice: an integer ``stop_reason`` the client did not ask for was EOS; native says null."""
+    reason = choice.get("stop_reason")
+    if type(reason) is int and reason not in (client_stop_token_ids or ()):
+        choice["stop_reason"] = None
 
 
 def tool_call_finish_reason(choice: dict[str, Any], tool_choice: Any) -> None:

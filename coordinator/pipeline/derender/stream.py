@@ -14,7 +14,13 @@ from typing import Any
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
-from coordinator.pipeline.derender.fixups import compact_tool_call_deltas, stops_on_token, without_stop_token
+from coordinator.pipeline.derender.fixups import (
+    compact_tool_call_deltas,
+    eos_stop_reason,
+    stops_on_token,
+    without_stop_token,
+)
+from coordinator.pipeline.derender.shape import role_chunk, shape_stream_chunk
 from coordinator.pipeline.derender.stop import StopMatcher
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
@@ -43,6 +49,8 @@ class PromptStream:
         self.plan = plan
         self._derenderer = derenderer
         self._collect = collect
+        # Chunk keys depend on whether a parser built the delta; a stand-in derenderer has none.
+        self._parsers = bool(getattr(derenderer, "parsers", False))
         self.choices = {i: ChoiceState(StopMatcher(plan.stop)) for i in range(plan.n)}
 
     @property
@@ -55,10 +63,15 @@ class PromptStream:
 
     async def run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
         """Consume engine chunks until every choice is finished (normally or by a stop string)."""
+        role_pending = self.ctx.kind == "chat" and not self._collect
         async for chunk in chunks:
             choices = chunk.get("choices") or []
             if not choices:
                 continue  # engine usage chunk: usage is recomputed by the session from our own counts
+            if role_pending:  # native opens every chat choice with a role chunk once output starts
+                role_pending = False
+                for i in range(self.plan.n):
+                    await emit(role_chunk(self.ctx, self.plan, self.plan.index * self.plan.n + i))
             await self._one(chunk, choices[0], emit)
             if self.finished and any(c.stopped_early for c in self.choices.values()):
                 return  # leaving closes the engine stream, which aborts what it still generates
@@ -88,12 +101,15 @@ class PromptStream:
                 out_choice["stop_reason"] = stop_hit
         if out_choice is not None:
             out_choice["index"] = self.plan.index * self.plan.n + int(out_choice.get("index", 0))
+            if engine_finish is not None and stop_hit is None:
+                eos_stop_reason(out_choice, self.ctx.body.get("stop_token_ids"))
             if self.ctx.kind == "chat":
                 compact_tool_call_deltas(out_choice)
         out["id"] = self.ctx.response_id
         out["created"] = self.ctx.created
-        await emit(out)
-        # Handed to the writer: commit.
+        if self._collect or shape_stream_chunk(self.ctx, out, parsers=self._parsers):
+            await emit(out)
+        # Handed to the writer (or held back as native would): commit.
         st.stream_state = next_state
         st.tokens += len(new_ids)
         if self._collect:
