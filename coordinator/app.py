@@ -102,7 +102,7 @@ def build_components(settings: Settings) -> Components:
     catalog = ModelCatalog(settings.models, sidecar)
     pipeline = Pipeline(
         catalog=catalog,
-        render=RenderStage(sidecar, catalog),
+        render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens),
         dispatcher=Dispatcher(engines, registry, scheduler, admission, settings.resilience,
                               settings.topology, metrics),
         derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
@@ -149,8 +149,7 @@ def build_app(settings: Settings) -> FastAPI:
     app.state.components = c
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
-    app.include_router(build_router(c.pipeline, auth, settings.server.max_body_bytes,
-                                    settings.admission.priority_header))
+    app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_admin_router(c.registry, c.admission, auth))
 
     @app.get("/health")

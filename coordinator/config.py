@@ -34,9 +34,30 @@ class ServerSettings(BaseModel):
         default="strict",
         description="strict: unsupported request fields are a 400; compat: they are ignored and logged",
     )
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="larger bodies → 413")
     metrics: bool = Field(default=True, description="serve Prometheus metrics on /metrics")
     log_level: str = "info"
+
+
+class LimitsSettings(BaseModel):
+    """What one client request may cost or hold before any stage sees it (see docs/decisions.md)."""
+
+    max_json_depth: int = Field(
+        default=64, ge=2, description="deepest nesting of objects/arrays in a request body; deeper → 400"
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="a connection must deliver a request's headers within this time"
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="a request body must arrive completely within this time (408)"
+    )
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, description="output cap applied when the client sets no max_tokens; "
+        "None = vLLM's behaviour (the rest of the context window; 16 for completions)",
+    )
+    request_id_max_length: int = Field(
+        default=128, ge=8, le=512, description="longest X-Request-Id adopted from a client"
+    )
 
 
 class RenderSettings(BaseModel):
@@ -182,6 +203,10 @@ class ResilienceSettings(BaseModel):
     """Retries before the first client byte, and one circuit breaker per engine."""
 
     retries: int = Field(default=2, ge=0, description="extra attempts, each on another engine")
+    retries_after_engine_death: int = Field(
+        default=1, ge=0, description="extra attempts allowed after an attempt whose engine died under it "
+        "(a possibly poisonous request must not take the fleet down engine by engine)",
+    )
     backoff_initial_s: float = Field(default=0.02, ge=0)
     backoff_max_s: float = Field(default=0.5, ge=0)
     breaker_failures: int = Field(default=3, ge=1, description="consecutive failures that open a breaker")
@@ -196,6 +221,14 @@ class ModelSettings(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     max_model_len: int | None = Field(
         default=None, ge=1, description="None = read from the render sidecar's /v1/models"
+    )
+    vocab_size: int | None = Field(
+        default=None, ge=1, description="token ids must be below this; None = learned from the model "
+        "folder (`path`, else the sidecar's `root`): max(config.json vocab_size, tokenizer ids + 1)",
+    )
+    path: str | None = Field(
+        default=None, description="model folder or hub id to learn vocab_size from; None = the render "
+        "sidecar's `root`",
     )
 
 
@@ -227,6 +260,7 @@ class Settings(BaseSettings):
     )
 
     server: ServerSettings = Field(default_factory=ServerSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     render: RenderSettings = Field(default_factory=RenderSettings)
     engine_client: EngineClientSettings = Field(default_factory=EngineClientSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)

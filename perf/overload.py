@@ -73,6 +73,7 @@ from token_engine.simulator import SimConfig, SimulatedEngine
 
 NAME = "overload"
 SERVED = "smollm2-135m-instruct"
+VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
 GOODPUT_TARGET = 0.95
 REJECT_P50_TARGET_MS = 5.0
 
@@ -131,7 +132,7 @@ class Client:
 
     def body(self) -> dict[str, Any]:
         # Fresh random ids: no prefix-cache hits, so every request costs the engine the same.
-        prompt = [self.rng.randrange(1000, 40_000) for _ in range(self.shape.prompt_tokens)]
+        prompt = [self.rng.randrange(1000, 40_000) for _ in range(self.shape.prompt_tokens)]  # < VOCAB_SIZE
         return {"model": SERVED, "prompt": prompt, "max_tokens": self.shape.max_tokens, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
 
@@ -265,7 +266,9 @@ def coordinator_settings(render_url: str, engines: list[str], *, budget: int, ma
     return Settings(
         render=RenderSettings(url=render_url),
         engines=[EngineSettings(url=u, max_inflight_tokens=budget) for u in engines],
-        models=[ModelSettings(name=SERVED)],
+        # The workload's random prompt ids lie in SmolLM2's vocabulary; say so (the stub render in the
+        # quick smoke test has no model folder to learn it from).
+        models=[ModelSettings(name=SERVED, vocab_size=VOCAB_SIZE)],
         admission=AdmissionSettings(max_queue=max_queue, queue_timeout_s=queue_timeout_s),
         # Enough engine connections that the no-admission run is limited by nothing but the engines.
         engine_client=EngineClientSettings(max_connections=8192),

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.config import ModelSettings
-from coordinator.pipeline.errors import ModelNotFound, UpstreamUnavailable
+from coordinator.pipeline.errors import BadRequest, ModelNotFound, UpstreamUnavailable
 from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.vocabulary import vocab_size_of
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +23,18 @@ class ModelEntry:
     max_model_len: int | None
     root: str | None = None
     created: int = 0
+    vocab_size: int | None = None     # exclusive bound of token ids (see vocabulary.py)
+    path: str | None = None           # where to learn vocab_size from (else ``root``)
 
 
 class ModelCatalog:
-    """Resolves names (404 for unknown ones) and learns ``max_model_len``/``root`` from the sidecar."""
+    """Resolves names (400/404) and learns ``max_model_len``/``root`` from the sidecar and ``vocab_size``
+    from the model's files."""
 
     def __init__(self, models: list[ModelSettings], sidecar: SidecarClient) -> None:
         now = int(time.time())
-        self._entries = {m.name: ModelEntry(m.name, list(m.aliases), m.max_model_len, None, now)
+        self._entries = {m.name: ModelEntry(m.name, list(m.aliases), m.max_model_len, None, now,
+                                            vocab_size=m.vocab_size, path=m.path)
                          for m in models}
         self._by_name: dict[str, ModelEntry] = {}
         for e in self._entries.values():
@@ -36,18 +42,29 @@ class ModelCatalog:
                 self._by_name[n] = e
         self._sidecar = sidecar
         self._synced = False
+        self._sync_lock = asyncio.Lock()  # concurrent first requests share one sync
 
     def entries(self) -> list[ModelEntry]:
         return list(self._entries.values())
 
+    def get(self, name: str) -> ModelEntry | None:
+        """The entry a name or alias points at, or None."""
+        return self._by_name.get(name)
+
     def resolve(self, name: Any) -> ModelEntry:
-        if not isinstance(name, str) or name not in self._by_name:
+        if not isinstance(name, str):
+            raise BadRequest("'model' must be a string naming a served model", param="model")
+        if name not in self._by_name:
             known = ", ".join(sorted(self._by_name))
             raise ModelNotFound(f"The model `{name}` does not exist. Known models: {known}.", param="model")
         return self._by_name[name]
 
     async def sync(self) -> bool:
         """Read ``max_model_len`` and ``root`` from the sidecar's ``/v1/models``; True when done."""
+        async with self._sync_lock:
+            return self._synced or await self._sync()
+
+    async def _sync(self) -> bool:
         try:
             served = {m.get("id"): m for m in await self._sidecar.models()}
         except Exception as exc:  # the sidecar may still be starting; callers retry
@@ -61,8 +78,23 @@ class ModelCatalog:
             if e.max_model_len is None and isinstance(card.get("max_model_len"), int):
                 e.max_model_len = card["max_model_len"]
             e.root = card.get("root") or e.root
+        for e in self._entries.values():
+            source = e.path or e.root
+            if e.vocab_size is None and source:
+                e.vocab_size = await asyncio.to_thread(vocab_size_of, source)
+                if e.vocab_size is None:
+                    log.error("model %s: vocabulary size unknown (no readable config.json or tokenizer at "
+                              "%s); requests with token ids are refused until models[].vocab_size is set",
+                              e.name, source)
+                else:
+                    log.info("model %s: token ids must be below %d", e.name, e.vocab_size)
         self._synced = True
         return True
+
+    async def vocab_size(self, entry: ModelEntry) -> int | None:
+        if entry.vocab_size is None and not self._synced:
+            await self.sync()
+        return entry.vocab_size
 
     async def max_model_len(self, entry: ModelEntry) -> int:
         if entry.max_model_len is None and not self._synced:

@@ -5,7 +5,10 @@ affinity and the engine are exactly the ones the engine would have computed itse
 then fixes what the token-only path needs:
 
 * an explicit ``max_tokens`` (``SamplingParams`` omits defaults, and ``/generate`` treats a missing
-  key as "the whole remaining context", see docs/decisions.md);
+  key as "the whole remaining context", see docs/decisions.md), capped by
+  ``limits.default_max_tokens`` when the client set none;
+* token ids held to the model's vocabulary (``token_ids.py``): render passes client ids through
+  unchecked, and a token-only engine would die on a bad one;
 * stop strings moved out of ``sampling_params`` (a ``--tokens-only`` engine rejects them; the
   coordinator enforces them, see ``derender/stop.py``).
 """
@@ -19,14 +22,17 @@ from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.errors import BadRequest, UpstreamUnavailable
 from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.token_ids import check_rendered
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI and vLLM default for /v1/completions
 
 
 class RenderStage:
-    def __init__(self, sidecar: SidecarClient, catalog: ModelCatalog) -> None:
+    def __init__(self, sidecar: SidecarClient, catalog: ModelCatalog,
+                 default_max_tokens: int | None = None) -> None:
         self._sidecar = sidecar
         self._catalog = catalog
+        self._default_max_tokens = default_max_tokens
 
     async def __call__(self, ctx: RequestContext, entry: ModelEntry) -> None:
         path = "/v1/chat/completions/render" if ctx.kind == "chat" else "/v1/completions/render"
@@ -36,6 +42,10 @@ class RenderStage:
                 isinstance(g, dict) and isinstance(g.get("token_ids"), list) for g in rendered):
             raise UpstreamUnavailable("render sidecar returned an unexpected body (no token_ids)")
         max_len = await self._catalog.max_model_len(entry)
+        vocab = await self._catalog.vocab_size(entry)
+        prompt_field = "messages" if ctx.kind == "chat" else "prompt"
+        for g in rendered:
+            check_rendered(g, vocab, prompt_field=prompt_field)
         requested = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
         ctx.prompts = [self._plan(i, g, ctx, requested, max_len) for i, g in enumerate(rendered)]
 
@@ -57,9 +67,12 @@ class RenderStage:
         sp: dict[str, Any] = dict(gr.get("sampling_params") or {})
         if requested is not None:
             sp["max_tokens"] = requested
-        elif "max_tokens" not in sp:
-            # Omitted by SamplingParams serialisation when equal to its default (16).
-            sp["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.kind == "completion" else room
+        else:
+            if "max_tokens" not in sp:
+                # Omitted by SamplingParams serialisation when equal to its default (16).
+                sp["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.kind == "completion" else room
+            if self._default_max_tokens is not None:  # the operator's cap for clients that set none
+                sp["max_tokens"] = min(int(sp["max_tokens"]), self._default_max_tokens)
         sp["max_tokens"] = min(int(sp["max_tokens"]), room)
         stop = sp.pop("stop", None) or []
         spec = StopSpec(tuple([stop] if isinstance(stop, str) else stop),

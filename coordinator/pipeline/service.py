@@ -29,6 +29,7 @@ from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import PromptStream
 from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.token_ids import check_client_ids
 from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.validation import validate_request
 
@@ -73,6 +74,7 @@ class Pipeline:
         body = validate_request(kind, body, strict=self._strict)
         entry = self.catalog.resolve(body.get("model"))
         body = {**body, "model": entry.name}
+        check_client_ids(body, await self.catalog.vocab_size(entry), completion=kind == "completion")
         stream = bool(body.get("stream"))
         include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,

@@ -190,6 +190,11 @@ class SimServer:
             )
         if self.faults.health_dead:
             raise SimHTTPError(ENGINE_DEAD_MESSAGE, "InternalServerError", 500)
+        if max(request.token_ids) >= cfg.vocab_size:
+            # A --tokens-only engine has no tokenizer, so vLLM skips its vocabulary check and the
+            # embedding lookup fails in the worker: EngineDeadError (500), and the process exits.
+            self.faults.health_dead = True
+            raise SimHTTPError(ENGINE_DEAD_MESSAGE, "InternalServerError", 500)
         header_id = raw.headers.get("X-Request-Id")  # the header wins over the body, even when empty
         request_id = f"generate-tokens-{request.request_id if header_id is None else header_id}"
         sp = request.sampling_params
