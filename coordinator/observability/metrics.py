@@ -40,6 +40,8 @@ class Metrics:
                                        registry=r)
         self.retries = Counter("coordinator_retries", "Engine requests retried on another engine",
                                registry=r)
+        self.engine_deaths = Counter("coordinator_engine_deaths",
+                                     "Engines found dead right after failing a request", registry=r)
         # --- scheduling ---
         self.decisions = Counter("coordinator_scheduling_decisions", "Engines picked, by policy",
                                  ["policy", "engine"], registry=r)

@@ -354,6 +354,18 @@ class EngineRegistry:
             self._sync(engine)   # also catches open → half-open by the clock
         self._drop_idle()
 
+    async def is_gone(self, engine: Engine) -> bool:
+        """After a failed call: is the engine process dead (not answering, or unhealthy)? It is then
+        taken out of rotation at once instead of at the next probe round."""
+        try:
+            resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
+            gone = resp.status_code != 200
+        except httpx.HTTPError:
+            gone = True
+        if gone:
+            self.mark_failed(engine)
+        return gone
+
     async def _probe(self, engine: Engine) -> None:
         async def health() -> None:
             try:

@@ -18,6 +18,7 @@ class SchedRequest:
     priority: int = 0                  # lower = sooner (vLLM's convention)
     cache_salt: str | None = None
     exclude: set[str] = field(default_factory=set)   # engine urls this request already failed on
+    engine_deaths: int = 0                            # attempts whose engine died under this request
     block_hashes: list[int] | None = None             # filled once by the scheduler, reused on retries
 
     @property

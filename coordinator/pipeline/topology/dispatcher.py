@@ -43,6 +43,11 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamUnavailable) and not isinstance(exc, EngineStreamError)
 
 
+def reached_engine(exc: BaseException) -> bool:
+    """A failure after the engine received the request: it may be the request that broke it."""
+    return retryable(exc) and not isinstance(exc, EngineUnreachable)
+
+
 class Dispatcher:
     def __init__(self, client: EngineClient, registry: EngineRegistry, scheduler: Scheduler,
                  admission: AdmissionController, resilience: ResilienceSettings,
@@ -94,6 +99,9 @@ class Dispatcher:
             rid = attempt_id(plan.generate["request_id"])
             with self._outcome(engine, req):
                 return await self._client.generate(engine, decode_body(plan.generate, params), rid)
+        except BaseException as exc:
+            await self._count_death(grant, exc, req)
+            raise
         finally:
             self._release(grant)
 
@@ -109,8 +117,9 @@ class Dispatcher:
                 chunks = await stack.enter_async_context(self._client.stream(
                     engine, decode_body(plan.generate, params), rid, include_usage=ctx.include_usage))
             return grant, stack, chunks
-        except BaseException:
+        except BaseException as exc:
             await stack.aclose()
+            await self._count_death(grant, exc, req)
             self._release(grant)
             raise
 
@@ -150,6 +159,10 @@ class Dispatcher:
         r = self._resilience
 
         def worth_retrying(exc: BaseException) -> bool:
+            if req.engine_deaths > r.retries_after_engine_death:
+                log.error("request %s is not retried: %d engines died while running it", req.request_id,
+                          req.engine_deaths)
+                return False
             return retryable(exc) and self._scheduler.has_other_engine(req)
 
         def count(state: RetryCallState) -> None:
@@ -161,6 +174,18 @@ class Dispatcher:
         wait = wait_random_exponential(multiplier=r.backoff_initial_s, max=r.backoff_max_s)
         return AsyncRetrying(stop=stop_after_attempt(1 + r.retries), wait=wait,
                              retry=retry_if_exception(worth_retrying), before_sleep=count, reraise=True)
+
+    async def _count_death(self, grant: Grant, exc: BaseException, req: SchedRequest) -> None:
+        """An engine that failed after receiving the request and is now gone may have been killed by
+        it: count it, so ``retries_after_engine_death`` bounds how many engines one request can cost."""
+        if not reached_engine(exc):
+            return
+        for engine in grant.placement.engines:
+            if engine.url in req.exclude and await self._registry.is_gone(engine):
+                req.engine_deaths += 1
+                log.error("engine %s died while running request %s", engine.url, req.request_id)
+                if self._metrics is not None:
+                    self._metrics.engine_deaths.inc()
 
     def _release(self, grant: Grant) -> None:
         grant.release()
