@@ -7,6 +7,7 @@ import logging
 
 import uvicorn
 
+from coordinator.api.server import uvicorn_config
 from coordinator.app import build_app
 from coordinator.config import load_settings
 
@@ -23,8 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
-    uvicorn.run(build_app(settings), host=host, port=port, log_level=settings.server.log_level,
-                access_log=False)
+    config = uvicorn_config(build_app(settings), settings, host=host, port=port,
+                            log_level=settings.server.log_level, access_log=False)
+    uvicorn.Server(config).run()
 
 
 if __name__ == "__main__":

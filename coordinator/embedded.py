@@ -12,6 +12,7 @@ import time
 
 import uvicorn
 
+from coordinator.api.server import uvicorn_config
 from coordinator.app import Components, build_app
 from coordinator.config import Settings
 
@@ -28,7 +29,7 @@ class EmbeddedCoordinator:
     def __init__(self, settings: Settings, port: int | None = None) -> None:
         self.port = port or free_port()
         self.app = build_app(settings)
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+        cfg = uvicorn_config(self.app, settings, host="127.0.0.1", port=self.port, log_level="warning",
                              lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="coordinator")

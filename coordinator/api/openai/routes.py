@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -13,10 +13,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.body import read_json_body
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import OwningStreamingResponse, sse_body
+from coordinator.config import Settings
+from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import Kind
-from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.service import Pipeline
 
 log = logging.getLogger(__name__)
@@ -26,18 +29,20 @@ class ClientGone(Exception):
     """The client closed the connection before a non-streaming answer was ready."""
 
 
-def build_router(pipeline: Pipeline, auth: ApiKeyCheck, max_body_bytes: int,
-                 priority_header: str = "x-request-priority") -> APIRouter:
+def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> APIRouter:
     router = APIRouter()
+    limits = settings.limits
+    priority_header = settings.admission.priority_header
 
     async def handle(kind: Kind, request: Request) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
         headers = {"X-Request-Id": request_id}
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(pipeline.track())
         try:
             auth(request.headers.get("authorization"))
-            body = await _read_json(request, max_body_bytes)
+            body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
+                                        max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
             ctx = await pipeline.begin(kind, body, request_id, priority=request.headers.get(priority_header))
             if not ctx.stream:
                 result = await _unless_client_leaves(request, pipeline.complete(ctx))
@@ -80,28 +85,40 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, max_body_bytes: int,
             auth(request.headers.get("authorization"))
         except PipelineError as exc:
             return error_response(exc)
-        data: list[dict[str, Any]] = []
-        for e in pipeline.catalog.entries():
-            card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
-                    "parent": None, "max_model_len": e.max_model_len}
-            data.append({"id": e.name, **card})
-            data.extend({"id": a, **card, "parent": e.name} for a in e.aliases)
+        data = [card for e in pipeline.catalog.entries() for card in _cards(e)]
         return JSONResponse({"object": "list", "data": data})
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """One model card (the SDK's ``models.retrieve``); aliases answer with their own id."""
+        try:
+            auth(request.headers.get("authorization"))
+            entry = pipeline.catalog.resolve(model_id)
+        except PipelineError as exc:
+            return error_response(exc)
+        return JSONResponse(next(c for c in _cards(entry) if c["id"] == model_id))
 
     return router
 
 
-async def _read_json(request: Request, max_bytes: int) -> Any:
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > max_bytes:
-            raise PipelineError(f"Request body larger than {max_bytes} bytes", status=413,
-                                type="RequestTooLarge")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+def _cards(e: ModelEntry) -> list[dict[str, Any]]:
+    card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
+            "parent": None, "max_model_len": e.max_model_len}
+    return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def client_request_id(header: str | None, max_length: int) -> str:
+    """The client's ``X-Request-Id`` when it is a plain token of sane length, else a fresh id.
+
+    It becomes part of the response ``id``, log lines and engine request ids, so anything that could
+    break those (spaces, quotes, control characters, megabytes) is replaced; the response header
+    always carries the id actually used."""
+    if header and len(header) <= max_length and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
 
 
 async def _unless_client_leaves(request: Request, work: Any) -> Any:

@@ -1,0 +1,75 @@
+"""The HTTP server: uvicorn, plus the one protection it lacks, a deadline for request headers.
+
+uvicorn times out idle keep-alive connections, but not a client that opens a connection and sends
+nothing, or trickles its headers a byte at a time (slowloris): each byte cancels the keep-alive
+timer, and no other timer exists. Enough of those exhaust file descriptors for every other client.
+The protocol below arms a timer when a request's first bytes (or a new connection) arrive and
+cancels it once the headers are complete; if it fires, the client gets ``408`` and the connection
+is closed. Bodies have their own deadline in ``api/body.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from coordinator.config import Settings
+
+_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_BODY = (b'{"error":{"message":"Request headers were not received in time","type":"RequestTimeout",'
+         b'"param":null,"code":408}}')
+
+
+def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol
+                            ) -> type[asyncio.Protocol]:
+    """``base`` (uvicorn's httptools or h11 protocol) with a header deadline of ``timeout_s``."""
+
+    class HeaderDeadlineProtocol(base):  # type: ignore[valid-type,misc]
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle:
+                self._arm()  # the first bytes of a new request start its header clock
+            before = self.cycle
+            super().data_received(data)
+            if self.cycle is not None and self.cycle is not before:
+                self._disarm()  # headers complete: the request is the application's now
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(timeout_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or not (self.cycle is None or self.cycle.response_complete):
+                return
+            self.transport.write(_REQUEST_TIMEOUT % (len(_BODY), _BODY))
+            self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+def uvicorn_config(app: FastAPI, settings: Settings, *, host: str, port: int,
+                   **options: Any) -> uvicorn.Config:
+    """The server configuration every entry point (CLI, embedded, tests) uses."""
+    return uvicorn.Config(app, host=host, port=port,
+                          http=header_timeout_protocol(settings.limits.header_timeout_s), **options)
