@@ -6,7 +6,11 @@ Every stage raises one of these; the front doors turn them into the OpenAI error
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class PipelineError(Exception):
@@ -47,19 +51,71 @@ class ModelNotFound(PipelineError):
 
 
 class UpstreamClientError(PipelineError):
-    """A 4xx answered by the sidecar or an engine for the client's request: passed through as is."""
+    """A 4xx answered by the sidecar or an engine for the client's request, in the client's terms.
+
+    vLLM answers pydantic failures with a dump of every union branch it tried (``'loc':
+    'body.messages.0.ChatCompletionDeveloperMessageParam.content'``) and some refusals with the CLI
+    flags that would enable a feature. Clients get the first real problem with the OpenAI field path
+    as ``param``; operator hints go to the log (``hint``)."""
 
     def __init__(self, status: int, body: dict[str, Any] | None, fallback: str) -> None:
         err = (body or {}).get("error") if isinstance(body, dict) else None
         if isinstance(err, dict):
             message = str(err.get("message") or fallback)
             etype = str(err.get("type") or "BadRequestError")
-            param = err.get("param")
+            param = err.get("param") if isinstance(err.get("param"), str) else None
         else:
             message, etype, param = fallback, "BadRequestError", None
         if etype == "Bad Request":  # vLLM's pydantic-validation type; OpenAI clients expect the class name
             etype = "BadRequestError"
-        super().__init__(message, param=param if isinstance(param, str) else None, status=status, type=etype)
+        self.hint: str | None = None
+        dump = _pydantic_dump(message)
+        if dump is not None:
+            message, param = dump
+        elif _CLI_FLAG.search(message):
+            self.hint = message
+            param = param or _feature_param(message)
+            message = (f"'{param}' is not supported by this server for this model" if param
+                       else "This server does not support that feature for this model")
+            log.warning("a client request needs an upstream option that is not enabled: %s", self.hint)
+        if param is not None:
+            param = openai_param(param)
+        super().__init__(message, param=param, status=status, type=etype)
+
+
+_PYDANTIC_ITEM = re.compile(
+    r"'type': '(?P<type>[^']*)', 'loc': '(?P<loc>[^']*)', 'msg': (?P<q>['\"])(?P<msg>.*?)(?P=q)")
+_CLI_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
+_CLASS_SEGMENT = re.compile(r"^[A-Z][A-Za-z0-9]*(\[.*\])?$|^function-")
+
+
+def openai_param(loc: str) -> str:
+    """``body.messages.0.ChatCompletionUserMessageParam.content`` → ``messages[0].content``."""
+    parts = [p for p in loc.split(".") if p and p != "body" and not _CLASS_SEGMENT.match(p)]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or loc
+
+
+def _pydantic_dump(message: str) -> tuple[str, str] | None:
+    """The first error of a pydantic dump as ``(message, param)``; union-branch mismatches (a literal
+    that picks the branch) only when nothing else is wrong."""
+    items = [m.groupdict() for m in _PYDANTIC_ITEM.finditer(message)]
+    if not items:
+        return None
+    real = [i for i in items if i["type"] != "literal_error"] or items
+    # The deepest location is the most specific one the user can fix.
+    best = max(real, key=lambda i: len(openai_param(i["loc"]).replace("[", ".").split(".")))
+    param = openai_param(best["loc"])
+    return f"Invalid value for '{param}': {best['msg']}", param
+
+
+def _feature_param(hint: str) -> str | None:
+    for field in ("tool_choice", "response_format", "reasoning", "tools"):
+        if field in hint or field.replace("_", " ") in hint:
+            return field
+    return None
 
 
 class NoHealthyEngine(PipelineError):

@@ -1,9 +1,14 @@
 """Client request checks done before render: the supported field list and value ranges.
 
-Render (vLLM's own pydantic models) validates the rest; its 4xx answers reach the client unchanged.
-Checks here exist because render is more permissive than the OpenAI API (e.g. temperature > 2) or
-because the token-only path cannot honour a field (structured outputs need a tokenizer on the engine).
-The supported field list is documented in docs/openai-api.md.
+Render (vLLM's own pydantic models) validates the rest; its 4xx answers reach the client with their
+pydantic detail turned into the user's terms (``errors.UpstreamClientError``). Checks here exist
+because render is more permissive than the OpenAI API (e.g. temperature > 2, any message role),
+because a token-only engine has no tokenizer to catch what native vLLM would (token ids are checked
+in ``token_ids.py``), or because the token-only path cannot honour a field (structured outputs).
+
+Strict mode refuses only what cannot be honoured: a field set to ``null`` is unset, and OpenAI fields
+at values that change nothing (``store: false``, ``echo: false``, ``best_of: 1``, ...) are accepted
+and dropped. The supported field list is documented in docs/openai-api.md.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from coordinator.pipeline.errors import BadRequest
+from coordinator.pipeline.token_ids import bias_keys
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +36,42 @@ _COMMON = frozenset({
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "documents", "include_reasoning",
+    "documents", "include_reasoning", "reasoning_effort",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
+
+
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value and type(v) is type(value)
+
+
+def _str_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
+# OpenAI fields the coordinator does not implement, accepted (and dropped before render) at the values
+# that make them no-ops. SDK defaults and framework settings send these; refusing them breaks clients
+# for nothing. Any other value is a 400 naming the field, since we could not honour it.
+NO_OP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "store": (_is(False), "false"),
+    "metadata": (_str_map, "an object of strings (kept only with store, which is off)"),
+    "service_tier": (lambda v: v in ("auto", "default"), "'auto' or 'default'"),
+    "echo": (_is(False), "false"),
+    "best_of": (_is(1), "1"),
+    "suffix": (_is(""), "an empty string"),
+    "modalities": (lambda v: v == ["text"], "[\"text\"]"),
+    "safety_identifier": (lambda v: isinstance(v, str), "a string"),
+    "prompt_cache_key": (lambda v: isinstance(v, str), "a string"),
+}
+_CHAT_ONLY_NO_OPS = frozenset({"store", "metadata", "service_tier", "modalities", "safety_identifier",
+                               "prompt_cache_key"})
+_COMPLETION_ONLY_NO_OPS = frozenset({"echo", "best_of", "suffix"})
+
+# OpenAI's message roles (plus Llama 3's ``ipython`` tool-result role, which chat templates use).
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 
 Kind = Literal["chat", "completion"]
 
@@ -70,33 +109,60 @@ def _stream_options(v: Any) -> None:
     if not isinstance(v, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     for k, val in v.items():
+        if val is None:
+            continue
+        if k == "include_obfuscation":
+            if val is not False:  # a no-op at false; obfuscation padding is not implemented
+                raise BadRequest("'stream_options.include_obfuscation' is not supported by this server",
+                                 param="stream_options.include_obfuscation")
+            continue
         if k not in ("include_usage", "continuous_usage_stats"):
             raise BadRequest(f"Unsupported field 'stream_options.{k}'", param=f"stream_options.{k}")
         _bool(f"stream_options.{k}")(val)
 
 
+def _id_list(name: str) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if not isinstance(v, list) or not all(type(t) is int for t in v):
+            raise BadRequest(f"'{name}' must be a list of token ids (integers)", param=name)
+    return check
+
+
+def _logit_bias(v: Any) -> None:
+    if not isinstance(v, dict):
+        raise BadRequest("'logit_bias' must be an object mapping token ids to numbers", param="logit_bias")
+    bias_keys(v)
+    for bias in v.values():
+        _num("logit_bias", -100, 100)(bias)
+
+
+def _bad_words(v: Any) -> None:
+    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+        raise BadRequest("'bad_words' must be a list of strings", param="bad_words")
+
+
 def _response_format(v: Any) -> None:
     if not isinstance(v, dict) or v.get("type") not in ("text",):
-        raise BadRequest(
-            "'response_format' other than {\"type\": \"text\"} needs structured outputs, which a token-only "
-            "engine cannot run (it has no tokenizer)", param="response_format")
+        # Operators: structured outputs need a tokenizer on the engine (docs/openai-api.md).
+        raise BadRequest("This server does not support structured outputs: 'response_format' must be "
+                         "{\"type\": \"text\"}", param="response_format")
 
 
 _CHECKS: dict[str, Callable[[Any], None]] = {
     "temperature": _num("temperature", 0, 2),
     "top_p": _num("top_p", 0, 1, lo_open=True),
     "n": _num("n", 1, 128, integer=True),
-    "max_tokens": _num("max_tokens", 1, None, integer=True),
-    "max_completion_tokens": _num("max_completion_tokens", 1, None, integer=True),
+    "max_tokens": _num("max_tokens", 1, INT32_MAX, integer=True),
+    "max_completion_tokens": _num("max_completion_tokens", 1, INT32_MAX, integer=True),
     "presence_penalty": _num("presence_penalty", -2, 2),
     "frequency_penalty": _num("frequency_penalty", -2, 2),
     "repetition_penalty": _num("repetition_penalty", 0, 2, lo_open=True),
-    "top_k": _num("top_k", -1, None, integer=True),
+    "top_k": _num("top_k", -1, INT32_MAX, integer=True),
     "min_p": _num("min_p", 0, 1),
-    "min_tokens": _num("min_tokens", 0, None, integer=True),
-    "seed": _num("seed", None, None, integer=True),
+    "min_tokens": _num("min_tokens", 0, INT32_MAX, integer=True),
+    "seed": _num("seed", INT64_MIN, INT64_MAX, integer=True),
     "top_logprobs": _num("top_logprobs", 0, 20, integer=True),
-    "priority": _num("priority", None, None, integer=True),
+    "priority": _num("priority", INT64_MIN, INT64_MAX, integer=True),
     "stream": _bool("stream"),
     "ignore_eos": _bool("ignore_eos"),
     "include_stop_str_in_output": _bool("include_stop_str_in_output"),
@@ -104,13 +170,28 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "stop": _stop,
     "stream_options": _stream_options,
     "response_format": _response_format,
+    "stop_token_ids": _id_list("stop_token_ids"),
+    "allowed_token_ids": _id_list("allowed_token_ids"),
+    "logit_bias": _logit_bias,
+    "bad_words": _bad_words,
+    "user": lambda v: _string("user", v),
+    "cache_salt": lambda v: _string("cache_salt", v),
 }
 
 
+def _string(name: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise BadRequest(f"'{name}' must be a string", param=name)
+
+
 def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
-    """Return the body to render (unsupported fields dropped in compat mode) or raise ``BadRequest``."""
+    """Return the body to render (no-op and, in compat mode, unsupported fields dropped) or raise
+    ``BadRequest``."""
     if not isinstance(body, dict):
         raise BadRequest("Request body must be a JSON object")
+    if "model" not in body or body["model"] is None:
+        raise BadRequest("'model' is required", param="model")
+    body = _drop_no_ops(kind, {k: v for k, v in body.items() if v is not None or k in _REQUIRED})
     allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
@@ -119,12 +200,8 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
                              "See the supported field list in the coordinator's docs.", param=unknown[0])
         log.info("compat mode: ignoring unsupported field(s) %s", unknown)
         body = {k: v for k, v in body.items() if k in allowed}
-    if "model" not in body:
-        raise BadRequest("'model' is required", param="model")
     if kind == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise BadRequest("'messages' must be a non-empty list of message objects", param="messages")
+        _check_messages(body.get("messages"))
     else:
         _check_prompt(body.get("prompt"))
     for key, value in body.items():
@@ -143,6 +220,35 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     checked: dict[str, Any] = body
     return checked
+
+
+# Fields whose ``null`` is an error rather than "unset".
+_REQUIRED = frozenset({"messages", "prompt"})
+
+
+def _drop_no_ops(kind: Kind, body: dict[str, Any]) -> dict[str, Any]:
+    """Remove OpenAI fields set to values that change nothing; other values of them stay (and fail)."""
+    wrong_endpoint = _COMPLETION_ONLY_NO_OPS if kind == "chat" else _CHAT_ONLY_NO_OPS
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        rule = NO_OP_FIELDS.get(key)
+        if rule is None or key in wrong_endpoint:
+            out[key] = value
+        elif not rule[0](value):
+            raise BadRequest(f"'{key}' is not supported by this server except as {rule[1]}", param=key)
+    return out
+
+
+def _check_messages(msgs: Any) -> None:
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list of message objects", param="messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in MESSAGE_ROLES:
+            raise BadRequest(f"Invalid value for 'messages[{i}].role': {role!r}. Supported values are: "
+                             f"{', '.join(sorted(MESSAGE_ROLES))}.", param=f"messages[{i}].role")
 
 
 def _check_prompt(p: Any) -> None:
