@@ -2,7 +2,8 @@
 #   make venv   create/refresh .venv (only when pyproject.toml changed)
 #   make model  build the SmolLM2-135M-Instruct HF folder in .cache/models (idempotent)
 #   make run    render sidecar + engine + coordinator on 127.0.0.1 (Ctrl-C stops all)
-#   make test   the test suite
+#   make test   the test suite (builds .venv-compat for the third-party client tests too)
+#   make compat the third-party client and OpenAI-spec suite only (tests/compat)
 #   make lint   ruff + mypy --strict
 
 PYTHON ?= python3.11
@@ -13,8 +14,13 @@ PY     := $(VENV)/bin/python
 PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 STAMP  := $(VENV)/.installed-$(PYPROJECT_HASH)
 MYPY_PATHS := $(wildcard coordinator render_sidecar token_engine perf deploy)
+# Third-party clients (aiperf, schemathesis, LangChain, LiteLLM) pin things that clash with .venv;
+# they get their own venv, rebuilt only when their requirements file changes.
+COMPAT_VENV  := .venv-compat
+COMPAT_REQ   := tests/compat/requirements.txt
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv model run test lint
+.PHONY: venv compat-venv model run test compat lint
 
 venv: $(STAMP)
 
@@ -27,17 +33,30 @@ $(STAMP):
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
+$(COMPAT_STAMP): $(COMPAT_REQ)
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -r $(COMPAT_REQ)
+	@rm -f $(COMPAT_VENV)/.installed-*
+	@touch $@
+
+compat-venv: $(COMPAT_STAMP)
+
 model: venv
 	$(PY) -m token_engine.model_prep
 
 run: venv model
 	$(PY) deploy/local_stack.py
 
-# Unit, simulator-integration and real-vLLM end-to-end tests (the e2e module boots a render sidecar
-# and two CPU engines once per session). pytest's exit code 5 ("no tests ran") is a failure.
-test: venv model lint
+# Unit, simulator-integration, real-vLLM end-to-end and third-party client tests (the real vLLM
+# processes boot once per session). pytest's exit code 5 ("no tests ran") is a failure.
+test: venv compat-venv model lint
 	@$(PY) -m pytest -q -ra -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The third-party client and OpenAI-spec suite alone (also part of `make test`).
+compat: venv compat-venv model
+	@$(PY) -m pytest tests/compat -q -ra -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make compat: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: venv
 	$(PY) -m ruff check .
