@@ -30,8 +30,8 @@ _COMMON = frozenset({
     # vLLM extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "add_special_tokens", "priority", "cache_salt", "request_id", "allowed_token_ids", "bad_words",
-    "return_token_ids",
+    "add_special_tokens", "priority", "cache_salt", "request_id", "allowed_token_ids", "return_token_ids",
+    # Not ``bad_words``: a token-only engine cannot tokenize the words and silently ignores them.
 })
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -136,10 +136,6 @@ def _logit_bias(v: Any) -> None:
         _num("logit_bias", -100, 100)(bias)
 
 
-def _bad_words(v: Any) -> None:
-    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
-        raise BadRequest("'bad_words' must be a list of strings", param="bad_words")
-
 
 def _response_format(v: Any) -> None:
     if not isinstance(v, dict) or v.get("type") not in ("text",):
@@ -173,7 +169,6 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "stop_token_ids": _id_list("stop_token_ids"),
     "allowed_token_ids": _id_list("allowed_token_ids"),
     "logit_bias": _logit_bias,
-    "bad_words": _bad_words,
     "user": lambda v: _string("user", v),
     "cache_salt": lambda v: _string("cache_salt", v),
 }
