@@ -93,7 +93,8 @@ def test_a_poisonous_request_costs_at_most_two_engines(render_sidecar: Any,
 # ------------------------------------------------------------------------ parser limits and slow clients
 def test_deep_nesting_is_400_and_the_connection_keeps_serving(coord: CoordinatorServer) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", coord.port, timeout=30)
-    deep = '{"model": "%s", "messages": %s}' % (SERVED, "[" * 10_000 + "]" * 10_000)
+    nested = "[" * 10_000 + "]" * 10_000
+    deep = f'{{"model": "{SERVED}", "messages": {nested}}}'
     conn.request("POST", "/v1/chat/completions", body=deep, headers={"content-type": "application/json"})
     first = conn.getresponse()
     body = json.loads(first.read())

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.pipeline.errors import PipelineError
+from coordinator.pipeline.errors import PipelineError, openai_param
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,11 @@ def install_handlers(app: FastAPI) -> None:
                             status_code=exc.status_code)
 
     async def _validation(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(str(exc), "BadRequestError", 400), status_code=400)
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        param = openai_param(".".join(str(p) for p in first.get("loc", ()))) or None
+        message = f"Invalid value for '{param}': {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(message, "BadRequestError", 400, param), status_code=400)
 
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
