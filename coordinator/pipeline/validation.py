@@ -186,7 +186,7 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
         raise BadRequest("Request body must be a JSON object")
     if "model" not in body or body["model"] is None:
         raise BadRequest("'model' is required", param="model")
-    body = _drop_no_ops(kind, {k: v for k, v in body.items() if v is not None or k in _REQUIRED})
+    body = _drop_no_ops(kind, {k: v for k, v in body.items() if v is not None or k in _REQUIRED}, strict)
     allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
@@ -221,8 +221,9 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
 _REQUIRED = frozenset({"messages", "prompt"})
 
 
-def _drop_no_ops(kind: Kind, body: dict[str, Any]) -> dict[str, Any]:
-    """Remove OpenAI fields set to values that change nothing; other values of them stay (and fail)."""
+def _drop_no_ops(kind: Kind, body: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """Remove OpenAI fields set to values that change nothing; other values fail in strict mode and
+    are dropped (and logged) in compat mode."""
     wrong_endpoint = _COMPLETION_ONLY_NO_OPS if kind == "chat" else _CHAT_ONLY_NO_OPS
     out: dict[str, Any] = {}
     for key, value in body.items():
@@ -230,7 +231,9 @@ def _drop_no_ops(kind: Kind, body: dict[str, Any]) -> dict[str, Any]:
         if rule is None or key in wrong_endpoint:
             out[key] = value
         elif not rule[0](value):
-            raise BadRequest(f"'{key}' is not supported by this server except as {rule[1]}", param=key)
+            if strict:
+                raise BadRequest(f"'{key}' is not supported by this server except as {rule[1]}", param=key)
+            log.info("compat mode: ignoring unsupported value of %s", key)
     return out
 
 

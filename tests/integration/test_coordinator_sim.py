@@ -187,10 +187,11 @@ def test_compat_mode_ignores_unsupported_fields(render_sidecar: Any, sim: Simula
                                                 coordinator_factory: CoordinatorFactory) -> None:
     strict = coordinator_factory(render_sidecar.url, [sim.url])
     compat = coordinator_factory(render_sidecar.url, [sim.url], server={"request_mode": "compat"})
-    body = chat(store=True, metadata={"a": "b"})
-    r = httpx.post(f"{strict.url}/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
-    assert httpx.post(f"{compat.url}/v1/chat/completions", json=body).status_code == 200
+    for body, param in [(chat(store=True, metadata={"a": "b"}), "store"),
+                        (chat(prediction={"type": "content", "content": "x"}), "prediction")]:
+        r = httpx.post(f"{strict.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert httpx.post(f"{compat.url}/v1/chat/completions", json=body).status_code == 200
 
 
 def test_engine_always_gets_an_explicit_max_tokens(coord: CoordinatorServer, sim: SimulatedEngine) -> None:
