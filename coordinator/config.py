@@ -245,10 +245,21 @@ class EngineClientSettings(BaseModel):
 
 
 class StreamSettings(BaseModel):
-    """The per-request streaming path."""
+    """The per-request streaming path (docs/architecture.md, "Streaming")."""
 
     queue_chunks: int = Field(
         default=32, ge=1, description="chunks buffered between engine reader and client writer"
+    )
+    coalesce: bool = Field(
+        default=True, description="while a derender call is in flight, merge the engine chunks that "
+        "arrive for the same choice into the next call (off: one call per engine chunk)",
+    )
+    max_tokens_per_call: int = Field(
+        default=32, ge=1, description="most tokens one derender call carries (keeps client deltas smooth)"
+    )
+    buffer_tokens: int = Field(
+        default=2048, ge=1, description="engine tokens buffered per stream before the coordinator stops "
+        "reading from the engine (back-pressure from a slow client reaches the engine's socket)",
     )
 
 
