@@ -33,7 +33,7 @@ $(STAMP):
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-$(COMPAT_STAMP): $(COMPAT_REQ)
+$(COMPAT_STAMP):
 	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -r $(COMPAT_REQ)
 	@rm -f $(COMPAT_VENV)/.installed-*

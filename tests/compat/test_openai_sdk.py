@@ -31,7 +31,7 @@ def client(compat_coord: CoordinatorServer) -> Iterator[openai.OpenAI]:
 
 @pytest.fixture(scope="module")
 def greedy_answer(client: openai.OpenAI) -> str:
-    r = client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage is not None and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -43,7 +43,7 @@ def test_chat_non_stream(greedy_answer: str) -> None:
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI, greedy_answer: str) -> None:
-    with client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30,  # type: ignore[arg-type]
+    with client.chat.completions.create(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30,
                                         stream=True, stream_options={"include_usage": True}) as stream:
         chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -56,7 +56,7 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI, greedy_answer: str
 def test_chat_stream_helper_snapshot(client: openai.OpenAI, greedy_answer: str) -> None:
     """The ``.stream()`` helper concatenates repeated string fields: a role sent in every delta would
     show up as 'assistantassistant…' in the accumulated message."""
-    with client.chat.completions.stream(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30) as stream:  # type: ignore[arg-type]
+    with client.chat.completions.stream(model=SERVED, messages=QUESTION, temperature=0, max_tokens=30) as stream:
         deltas = [e.delta for e in stream if e.type == "content.delta"]
         snapshot = stream.current_completion_snapshot
     message = snapshot.choices[0].message
