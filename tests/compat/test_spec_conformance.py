@@ -139,3 +139,29 @@ def test_differences_are_mirrored_in_the_docs() -> None:
     assert len(section) == 2, "docs/openai-api.md lacks the differences section"
     documented = set(re.findall(r"^\| `([a-z0-9-]+)` \|", section[1], re.MULTILINE))
     assert documented == {d.key for d in DIFFERENCES}
+
+
+def _chunk(**choice: Any) -> dict[str, Any]:
+    base = {"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": SERVED,
+            "choices": [{**base, **choice}]}
+
+
+BAD_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "delta role null": ("CreateChatCompletionStreamResponse", _chunk(delta={"role": None, "content": "x"})),
+    "unknown finish_reason": ("CreateChatCompletionStreamResponse", _chunk(finish_reason="done")),
+    "chunk without created": ("CreateChatCompletionStreamResponse",
+                              {k: v for k, v in _chunk().items() if k != "created"}),
+    "system_fingerprint null": ("CreateChatCompletionStreamResponse", {**_chunk(), "system_fingerprint": None}),
+    "completion choice without logprobs": ("CreateCompletionResponse", {
+        "id": "c", "object": "text_completion", "created": 1, "model": SERVED,
+        "choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}),
+    "model without owned_by": ("Model", {"id": SERVED, "object": "model", "created": 1}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SHAPES))
+def test_validator_still_rejects_what_is_not_a_documented_difference(name: str) -> None:
+    """The widened document must stay narrow: shapes outside the documented differences fail."""
+    schema, obj = BAD_SHAPES[name]
+    assert violations(schema, obj), name
