@@ -26,7 +26,7 @@ from coordinator.pipeline.derender.fixups import (
 )
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
-from coordinator.pipeline.derender.stream import PromptStream
+from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.token_ids import check_client_ids
@@ -46,6 +46,7 @@ class _Finished:
 class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
                  derenderer: Derenderer, strict: bool, queue_chunks: int,
+                 coalescing: Coalescing | None = None,
                  early_refusal: Callable[[int], None] | None = None) -> None:
         self.catalog = catalog
         self._render = render
@@ -53,6 +54,7 @@ class Pipeline:
         self._derender = derenderer
         self._strict = strict
         self._queue_chunks = queue_chunks
+        self._coalescing = coalescing or Coalescing()
         self._early_refusal = early_refusal  # admission's "queue full" check, run before render
         self.inflight = 0  # client requests between begin() and their release
 
@@ -120,7 +122,7 @@ class Pipeline:
 
     async def _collect(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
         """Stream one prompt internally until done or stopped; return it as a GenerateResponse."""
-        ps = PromptStream(ctx, plan, self._derender, collect=True)
+        ps = PromptStream(ctx, plan, self._derender, collect=True, coalescing=self._coalescing)
 
         async def discard(_: dict[str, Any]) -> None:
             return None
@@ -159,7 +161,7 @@ class Pipeline:
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession:
         """Open every engine stream before the first byte goes to the client."""
-        session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks)
+        session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks, self._coalescing)
         try:
             await session.open()
         except BaseException:
@@ -190,11 +192,12 @@ class StreamSession:
     """All engine streams of one request, merged into one chunk sequence through a bounded queue."""
 
     def __init__(self, ctx: RequestContext, dispatch: Dispatcher, derenderer: Derenderer,
-                 queue_chunks: int) -> None:
+                 queue_chunks: int, coalescing: Coalescing | None = None) -> None:
         self.ctx = ctx
         self._dispatch = dispatch
         self._derender = derenderer
         self._queue: asyncio.Queue[dict[str, Any] | _Finished] = asyncio.Queue(maxsize=queue_chunks)
+        self._coalescing = coalescing
         self._stack = contextlib.AsyncExitStack()
         self._streams: list[tuple[PromptStream, AsyncIterator[dict[str, Any]]]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -207,7 +210,8 @@ class StreamSession:
         errors = [o for o in opened if isinstance(o, BaseException)]
         if errors:
             raise errors[0]
-        self._streams = [(PromptStream(self.ctx, p, self._derender), chunks)  # type: ignore[misc]
+        self._streams = [(PromptStream(self.ctx, p, self._derender, coalescing=self._coalescing),
+                          chunks)  # type: ignore[misc]
                          for p, chunks in zip(self.ctx.prompts, opened, strict=True)]
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:

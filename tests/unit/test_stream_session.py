@@ -15,6 +15,7 @@ import pytest
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.errors import UpstreamUnavailable
 from coordinator.pipeline.service import StreamSession
 
@@ -74,24 +75,57 @@ class FakeDerender:
         return out, {"n": n}
 
 
+class SlowDerender(FakeDerender):
+    """Each call takes a moment, during which the engine's chunks pile up."""
+
+    async def stream_chunk(self, ctx: RequestContext, p: PromptPlan, chunk: dict[str, Any],
+                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        await asyncio.sleep(0.005)
+        return await super().stream_chunk(ctx, p, chunk, state)
+
+
 def ctx_for(plans: list[PromptPlan]) -> RequestContext:
     c = RequestContext(kind="completion", request_id="x", body={}, model="m", stream=True, include_usage=True)
     c.prompts = plans
     return c
 
 
-async def test_slow_client_bounds_what_the_session_pulls() -> None:
-    engine = FakeEngine({0: [65] * 500})
-    s = StreamSession(ctx_for([plan(0)]), engine, FakeDerender(), queue_chunks=4)  # type: ignore[arg-type]
+@pytest.mark.parametrize("coalescing", [Coalescing(enabled=False), Coalescing(max_tokens_per_call=8, buffer_tokens=16)])
+async def test_slow_client_bounds_what_the_session_pulls(coalescing: Coalescing) -> None:
+    engine = FakeEngine({0: [65] * 5000})
+    s = StreamSession(ctx_for([plan(0)]), engine, FakeDerender(), queue_chunks=4,  # type: ignore[arg-type]
+                      coalescing=coalescing)
     await s.open()
     events = s.events()
     first = await events.__anext__()          # the client reads one chunk, then stalls
-    assert first["choices"][0]["text"] == "A"
-    await asyncio.sleep(0.05)
-    assert engine.pulled[0] <= 4 + 2, "the producer must stop when the client stops reading"
+    assert first["choices"][0]["text"].startswith("A")
+    await asyncio.sleep(0.1)
+    held = engine.pulled[0]
+    # Queue (4 chunks of at most max_tokens_per_call) + the buffer + one call in flight + one being read.
+    bound = 4 * coalescing.max_tokens_per_call + coalescing.buffer_tokens + coalescing.max_tokens_per_call + 2
+    if not coalescing.enabled:
+        bound = 4 + 2
+    assert held <= bound, f"the session pulled {held} tokens for a client that stopped reading"
+    await asyncio.sleep(0.1)
+    assert engine.pulled[0] == held, "reading from the engine stopped (back-pressure), it did not slow down"
     await events.aclose()
     await s.aclose()
     assert engine.closed == {0}
+
+
+async def test_coalescing_merges_chunks_that_pile_up_during_a_call() -> None:
+    engine = FakeEngine({0: [65 + i % 26 for i in range(200)]})
+    der = SlowDerender()
+    s = StreamSession(ctx_for([plan(0)]), engine, der, queue_chunks=64,  # type: ignore[arg-type]
+                      coalescing=Coalescing(max_tokens_per_call=32, buffer_tokens=1000))
+    await s.open()
+    events = [e async for e in s.events()]
+    await s.aclose()
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == "".join(chr(65 + i % 26) for i in range(200))
+    assert events[-1]["usage"]["completion_tokens"] == 200
+    assert len(der.states_seen) <= 200 // 4, "calls per token fall when chunks pile up"
+    assert max(len(e["choices"][0]["text"]) for e in events if e["choices"]) <= 32
 
 
 async def test_state_is_committed_only_after_successful_derender() -> None:
@@ -152,4 +186,4 @@ async def test_stop_string_ends_the_stream_and_closes_the_engine_stream() -> Non
     last = [e for e in events if e["choices"]][-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", " wor")
     assert events[-1]["usage"]["completion_tokens"] == len("hello wor")
-    assert engine.pulled[0] == len("hello wor") and engine.closed == {0}
+    assert engine.closed == {0}

@@ -14,7 +14,7 @@ from coordinator.pipeline.derender.shape import (
     system_fingerprint,
 )
 from coordinator.pipeline.derender.stop import StopSpec
-from coordinator.pipeline.derender.stream import PromptStream
+from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 
 
 def ctx(kind: str = "chat", include_usage: bool = False, **body: Any) -> RequestContext:
@@ -147,7 +147,8 @@ async def test_role_chunks_come_first_and_held_back_steps_still_commit() -> None
 
     c = ctx()
     derender = _Derender()
-    ps = PromptStream(c, plan(n=2), derender)  # type: ignore[arg-type]
+    # One derender call per engine chunk, so the exact interleaving of the two choices is visible.
+    ps = PromptStream(c, plan(n=2), derender, coalescing=Coalescing(enabled=False))  # type: ignore[arg-type]
     sent: list[dict[str, Any]] = []
 
     async def emit(chunk: dict[str, Any]) -> None:
