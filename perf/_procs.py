@@ -1,0 +1,198 @@
+"""Child processes for benchmarks that measure CPU per process: the coordinator, simulated engines,
+render sidecars, and their CPU seconds.
+
+Why child processes: a coordinator embedded in the benchmark shares its event loop (and GIL) with
+the load generator, so neither its throughput nor its CPU time can be told apart from the harness's.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from coordinator.config import RenderSettings
+from coordinator.embedded import free_port
+from token_engine.simulator import SimConfig, SimulatedEngine
+
+SERVED = "smollm2-135m-instruct"
+
+
+def tree_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process and its live descendants (None if it is gone or unknown)."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def cpu_sum(pids: Sequence[int | None]) -> float | None:
+    values = [tree_cpu_s(p) for p in pids]
+    return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+_HTTP_TOTAL = re.compile(r'^http_requests_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+
+
+def sidecar_calls(url: str, suffix: str = "/derender") -> int | None:
+    """Requests a vLLM sidecar served on routes ending in ``suffix``, from its own ``/metrics``
+    (``http_requests_total`` per handler); None when the server exposes no such counter."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        m = _HTTP_TOTAL.match(line)
+        if m and re.search(r'handler="[^"]*' + re.escape(suffix) + '"', m.group(1)):
+            total += float(m.group(2))
+            seen = True
+    return int(total) if seen else None
+
+
+def render_config(urls: Sequence[str]) -> dict[str, Any]:
+    """The ``render`` config section for one or several sidecars: ``render.urls`` where the coordinator
+    has it (a pool of sidecar processes), else ``render.url``; several URLs without ``urls`` raise."""
+    if "urls" in RenderSettings.model_fields:
+        return {"urls": list(urls)}
+    if len(urls) != 1:
+        raise NotImplementedError("this coordinator has no render.urls (one sidecar only)")
+    return {"url": urls[0]}
+
+
+def supports_render_pool() -> bool:
+    return "urls" in RenderSettings.model_fields
+
+
+class CoordinatorProcess:
+    """``python -m coordinator --config FILE`` on a free port; the config is a JSON (= YAML) file."""
+
+    def __init__(self, config: dict[str, Any], log_path: Path | None = None) -> None:
+        self.config = {"server": {"log_level": "warning"}, **config}
+        self.port = free_port()
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="coord-")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def __enter__(self) -> CoordinatorProcess:
+        path = Path(self._dir.name) / "config.yaml"
+        path.write_text(json.dumps(self.config))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_")}
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--config", str(path), "--host", "127.0.0.1",
+             "--port", str(self.port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode} (log: {self.log_path})")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("coordinator did not become ready")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._dir.cleanup()
+
+
+def _serve_engines(configs: list[dict[str, Any]], conn: Connection) -> None:
+    """Child process: run the simulated engines until the parent says stop."""
+    engines = [SimulatedEngine(SimConfig(**c)).start() for c in configs]
+    conn.send([e.url for e in engines])
+    conn.recv()
+    for e in engines:
+        e.stop()
+
+
+@contextmanager
+def sim_engines(configs: list[dict[str, Any]]) -> Iterator[tuple[list[str], int]]:
+    """Simulated engines in one spawned child process; yields their URLs and the child's pid."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_engines, args=(configs, child), name="sim-engines", daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("simulated engines did not start")
+        urls: list[str] = parent.recv()
+        assert proc.pid is not None
+        yield urls, proc.pid
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+
+
+@contextmanager
+def render_sidecars(n: int, say: Any, *, log_dir: Path | None = None,
+                    **kwargs: Any) -> Iterator[list[Any]]:
+    """``n`` real vLLM render sidecars started together (start-up is mostly ``import vllm``); their
+    logs go to ``log_dir/render-<i>.log`` when given."""
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.model_prep import ensure_model
+
+    model = ensure_model()
+    with ExitStack() as stack:
+        sidecars = []
+        for i in range(n):
+            log = None if log_dir is None else log_dir / f"render-{i}.log"
+            s = RenderSidecar(model, port=free_port(), served_model_name=SERVED, echo=False, log_path=log,
+                              **kwargs)
+            s.start()
+            stack.callback(s.stop)
+            sidecars.append(s)
+        say(f"waiting for {n} render sidecar(s) (real vLLM)")
+        for s in sidecars:
+            s.wait_ready(timeout=600)
+        yield sidecars
+
+
+def sidecar_pid(sidecar: Any) -> int | None:
+    proc = getattr(sidecar, "process", None)
+    pid = getattr(proc, "pid", None)
+    return pid if isinstance(pid, int) else None
