@@ -14,10 +14,15 @@ Engines: 4 simulated engines whose prefix cache is an LRU of ``--capacity-blocks
 whose prefill time grows with uncached prompt tokens (``docs/simulator.md``, cost model), behind the
 real coordinator (real render sidecar). One fresh coordinator and fresh engines per policy:
 round-robin, least-load, affinity with the approximate and the precise (KV events) prefix index,
-and an oracle that reads the simulators' caches directly.
+and a greedy "oracle" router that reads the simulators' caches. The engines run in a child process
+(as in ``perf.overload``): sharing the coordinator's interpreter and GIL with four engine servers and
+the client measured the harness, not the routing. The oracle asks that process over a pipe.
 
 Reported per policy: the engines' own prefix-cache ``hit_rate`` (hit tokens / queried tokens),
 client-side TTFT p50/p90 (first streamed chunk) and ``load_imbalance`` (max/mean requests per engine).
+The oracle is *not* an upper bound (it is greedy: longest cached prefix now, blind to what its choice
+evicts later); the true ceiling of the workload is computed from the schedule: every distinct block
+computed once, an unlimited cache (``ceiling_hit_rate``, in blocks and in tokens).
 ``affinity_unbounded`` (opt-in) is the affinity scores with a plain max-score picker, to show what the
 preset's bounded-load picker changes.
 
@@ -31,14 +36,17 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing as mp
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol
 
 import httpx
 
@@ -128,18 +136,42 @@ def working_set_blocks(schedule: Sequence[Turn]) -> int:
     return len({h for p in last.values() for h in sim_block_hashes(p, BLOCK_SIZE)})
 
 
+def ceiling(schedule: Sequence[Turn]) -> dict[str, Any]:
+    """The best any router and cache could do: every distinct block computed once (unlimited cache,
+    one engine). In blocks: 1 - distinct / sent. In tokens (comparable with the engines' hit rate,
+    which counts tokens): only whole blocks can hit, so hits <= (sent - distinct blocks) x block size
+    out of every prompt token sent."""
+    sent = 0
+    tokens = 0
+    distinct: set[bytes] = set()
+    for t in schedule:
+        hashes = sim_block_hashes(t.prompt, BLOCK_SIZE)
+        sent += len(hashes)
+        tokens += len(t.prompt)
+        distinct.update(hashes)
+    return {"blocks_sent": sent, "distinct_blocks": len(distinct),
+            "hit_rate_blocks": round(1 - len(distinct) / sent, 4) if sent else 0.0,
+            "hit_rate_tokens": round((sent - len(distinct)) * BLOCK_SIZE / tokens, 4) if tokens else 0.0}
+
+
 # --- oracle --------------------------------------------------------------------------------------
 
-class OracleScorer:
-    """Share of the prompt that each engine's simulator *really* holds (read from its ``PrefixCache``).
+class CacheView(Protocol):
+    def __contains__(self, block_hash: object) -> bool: ...
 
-    An upper bound for any prefix index: no guessing (approximate) and no event lag (precise). It only
-    reads (``in``), so the caches' LRU order is not disturbed.
+
+class OracleScorer:
+    """Share of the prompt that each engine's simulator *really* holds (read from its ``PrefixCache``,
+    or asked of the engines' process through a ``RemoteCache``).
+
+    What a perfect prefix index would tell the router: no guessing (approximate) and no event lag
+    (precise). Greedy, so not an upper bound on the hit rate (see ``ceiling``). It only reads (``in``),
+    so the caches' LRU order is not disturbed.
     """
 
     name = "oracle"
 
-    def __init__(self, caches: dict[str, PrefixCache]) -> None:
+    def __init__(self, caches: dict[str, CacheView]) -> None:
         self.caches = caches
 
     def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
@@ -148,13 +180,76 @@ class OracleScorer:
         return [_cached_blocks(self.caches[e.url], hashes) * BLOCK_SIZE / total for e in engines]
 
 
-def _cached_blocks(cache: PrefixCache, hashes: Sequence[bytes]) -> int:
+def _cached_blocks(cache: CacheView, hashes: Sequence[bytes]) -> int:
+    if isinstance(cache, RemoteCache):
+        return cache.leading_blocks(hashes)
     n = 0
     for h in hashes:
         if h not in cache:
             break
         n += 1
     return n
+
+
+class RemoteCache:
+    """One engine's prefix cache in the engines' child process, asked over the shared pipe (one round
+    trip per engine and decision; the lock serialises callers)."""
+
+    def __init__(self, conn: Connection, lock: threading.Lock, index: int) -> None:
+        self._conn, self._lock, self._index = conn, lock, index
+
+    def __contains__(self, block_hash: object) -> bool:
+        return isinstance(block_hash, bytes) and self.leading_blocks([block_hash]) == 1
+
+    def leading_blocks(self, hashes: Sequence[bytes]) -> int:
+        with self._lock:
+            self._conn.send((self._index, list(hashes)))
+            n: int = self._conn.recv()
+        return n
+
+
+def _serve_engines(configs: list[dict[str, Any]], conn: Connection) -> None:
+    """Child process: the simulated engines, plus answers to the oracle's cache look-ups."""
+    engines = [SimulatedEngine(SimConfig(**c)).start() for c in configs]
+    caches: list[PrefixCache] = [e.app.state.sim.engine.prefix_cache for e in engines]
+    conn.send([(e.url, e.state()["kv_events"]) for e in engines])
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        index, hashes = msg
+        conn.send(_cached_blocks(caches[index], hashes))
+    for e in engines:
+        e.stop()
+
+
+@dataclass(frozen=True)
+class EngineHandle:
+    url: str
+    kv_events: dict[str, Any] | None
+    cache: RemoteCache
+
+
+@contextmanager
+def engine_process(configs: list[SimConfig]) -> Iterator[list[EngineHandle]]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_engines, args=([c.model_dump() for c in configs], child),
+                       name="sim-engines", daemon=True)
+    proc.start()
+    lock = threading.Lock()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("simulated engines did not start")
+        started: list[tuple[str, dict[str, Any] | None]] = parent.recv()
+        yield [EngineHandle(url, events, RemoteCache(parent, lock, i))
+               for i, (url, events) in enumerate(started)]
+    finally:
+        with lock:
+            parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
 
 
 class LeastLoadTiePicker:
@@ -200,10 +295,10 @@ class Sample:
     total_s: float = 0.0  # due → last byte: Little's law turns the sum into mean requests in flight
 
 
-def _settings(policy: str, render_url: str, sims: Sequence[SimulatedEngine], max_model_len: int) -> Settings:
+def _settings(policy: str, render_url: str, sims: Sequence[EngineHandle], max_model_len: int) -> Settings:
     engines = []
     for s in sims:
-        events = s.state()["kv_events"]
+        events = s.kv_events
         engines.append(EngineSettings(url=s.url, kv_events=events["endpoint"] if events else None))
     preset, source = {
         "round_robin": ("round_robin", "none"),
@@ -221,7 +316,7 @@ def _settings(policy: str, render_url: str, sims: Sequence[SimulatedEngine], max
                                                    block_size=BLOCK_SIZE)))
 
 
-def _handshake_kv_events(coord: EmbeddedCoordinator, sims: Sequence[SimulatedEngine]) -> None:
+def _handshake_kv_events(coord: EmbeddedCoordinator, sims: Sequence[EngineHandle]) -> None:
     """ZMQ slow joiner: reset each (empty) cache until the coordinator has seen its AllBlocksCleared,
     so no event of the measured run is published before the subscription is live."""
     precise = coord.components.precise
@@ -308,12 +403,12 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_lo
                model: EngineModel, concurrency: int, max_tokens: int,
                say: Callable[[str], None]) -> dict[str, Any]:
     with ExitStack() as stack:
-        sims = [stack.enter_context(SimulatedEngine(model.sim_config(i, policy == "affinity_precise")))
-                for i in range(ENGINES)]
+        sims = stack.enter_context(engine_process(
+            [model.sim_config(i, policy == "affinity_precise") for i in range(ENGINES)]))
         coord = EmbeddedCoordinator(_settings(policy, render_url, sims, model.max_model_len))
         if policy == "oracle":
             profile = coord.components.scheduler.profile
-            caches = {s.url: cast(PrefixCache, s.app.state.sim.engine.prefix_cache) for s in sims}
+            caches: dict[str, CacheView] = {s.url: s.cache for s in sims}
             profile.scorers = [(OracleScorer(caches), 1.0)]
             profile.picker = LeastLoadTiePicker()
             profile.policy = "oracle"
@@ -327,7 +422,7 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_lo
                                      max_tokens, say))
         wall = time.monotonic() - t0
         coord.wait_idle()
-        states = [s.state() for s in sims]
+        states = [httpx.get(f"{s.url}/sim/state", timeout=10).json() for s in sims]
         index_hit = coord.components.metrics.registry.get_sample_value("coordinator_prefix_hit_ratio")
     caches_ = [st["prefix_cache"] for st in states]
     queries = sum(c["queries"] for c in caches_)
@@ -358,13 +453,17 @@ def _imbalance(values: Sequence[int]) -> float:
 
 # --- figures, report, plot -----------------------------------------------------------------------
 
-def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def headline(results: dict[str, dict[str, Any]], ceil: dict[str, Any] | None = None) -> dict[str, Any]:
     """The last-line JSON: per-policy figures, then the targets checked on each affinity variant run
-    (unprefixed = the default ``affinity`` preset with the approximate index)."""
+    (unprefixed = the default ``affinity`` preset with the approximate index); with ``ceil``, the
+    workload's ceiling and each affinity variant's hit rate as a share of it (tokens)."""
     out: dict[str, Any] = {"benchmark": "kv_affinity"}
     for p, res in results.items():
         for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "load_imbalance"):
             out[f"{p}_{k}"] = res[k]
+    if ceil is not None:
+        out["ceiling_hit_rate_blocks"] = ceil["hit_rate_blocks"]
+        out["ceiling_hit_rate_tokens"] = ceil["hit_rate_tokens"]
     rr, oracle = results.get("round_robin"), results.get("oracle")
     for prefix, p in VARIANTS:
         r = results.get(p)
@@ -375,6 +474,8 @@ def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out[f"{prefix}ttft_p90_gain_vs_rr"] = gain
         out[f"{prefix}hit_rate_vs_oracle"] = vs
         out[f"{prefix}imbalance"] = r["load_imbalance"]
+        if ceil is not None and ceil["hit_rate_tokens"]:
+            out[f"{prefix}hit_rate_vs_ceiling"] = round(r["hit_rate"] / ceil["hit_rate_tokens"], 3)
         out[f"{prefix}targets_met"] = bool(
             vs >= TARGET_HIT_VS_ORACLE and gain >= TARGET_P90_GAIN and r["load_imbalance"] <= TARGET_IMBALANCE
             and not r["errors"] and not rr["errors"])
@@ -397,6 +498,13 @@ def _markdown(f: dict[str, Any], head: dict[str, Any]) -> str:
             targets.append(f"| {p} | {head[prefix + 'hit_rate_vs_oracle']} | "
                            f"{head[prefix + 'ttft_p90_gain_vs_rr']} | {head[prefix + 'imbalance']} | "
                            f"{head[prefix + 'targets_met']} |")
+    ceil = f.get("ceiling")
+    ceiling_line = "" if ceil is None else (
+        f"\n\nCeiling of this workload (every distinct block computed once, unlimited cache): hit rate "
+        f"{ceil['hit_rate_blocks']} in blocks (1 - {ceil['distinct_blocks']} distinct / "
+        f"{ceil['blocks_sent']} sent), {ceil['hit_rate_tokens']} in tokens (comparable with the engines' "
+        f"hit rates above). The "
+        f"oracle is a greedy longest-cached-prefix router, not this bound.")
     return (f"# KV-cache affinity\n\n{w['users']} users over {w['tenants']} system prompts of ~"
             f"{w['system_tokens']} tokens, {w['turns']} turns of {w['turn_min']}-{w['turn_max']} new tokens, "
             f"{f['requests']} requests ({'closed loop' if f['closed_loop'] else 'open loop'}: users start "
@@ -406,7 +514,7 @@ def _markdown(f: dict[str, Any], head: dict[str, Any]) -> str:
             f"(working set {f['working_set_blocks']} blocks), {m['slots']} slots, prefill "
             f"{m['prefill_s_per_token'] * 1000} ms/token uncached, decode {m['decode_s_per_token'] * 1000} "
             f"ms/token, fixed TTFT {m['ttft_s'] * 1000} ms.\n\n" + "\n".join(rows)
-            + "\n\n" + "\n".join(targets) + "\n\n![plot](kv_affinity.png)\n")
+            + ceiling_line + "\n\n" + "\n".join(targets) + "\n\n![plot](kv_affinity.png)\n")
 
 
 def _plot(f: dict[str, Any], path: Path) -> None:
@@ -423,6 +531,9 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     a.bar(xs, [pol[n]["hit_rate"] for n in names], 0.6, color="tab:green")
     a.set_xticks(xs, labels, fontsize=8)
     a.set_ylim(0, 1)
+    if f.get("ceiling"):
+        a.axhline(f["ceiling"]["hit_rate_tokens"], color="grey", ls="--", lw=1, label="ceiling (tokens)")
+        a.legend(fontsize=8)
     a.set_ylabel("engine prefix-cache hit rate (tokens)")
     a.set_title("prefix-cache hit rate")
     b.bar([x - 0.2 for x in xs], [pol[n]["ttft_p50_ms"] for n in names], 0.4, label="p50")
@@ -490,8 +601,9 @@ def main(argv: list[str] | None = None) -> None:
     model = EngineModel(args.capacity_blocks, args.slots, args.prefill_ms / 1000, args.decode_ms / 1000,
                         args.ttft_ms / 1000, max_model_len)
     ws = working_set_blocks(schedule)
+    ceil = ceiling(schedule)
     say(f"{len(schedule)} requests, longest prompt {longest - args.max_tokens} tokens, working set {ws} "
-        f"blocks vs {args.capacity_blocks} per engine")
+        f"blocks vs {args.capacity_blocks} per engine; ceiling hit rate {ceil['hit_rate_tokens']} (tokens)")
 
     with ExitStack() as stack:
         render_url = args.render_url
@@ -520,9 +632,9 @@ def main(argv: list[str] | None = None) -> None:
         "workload": asdict(work), "engine_model": asdict(model), "engines": ENGINES, "block_size": BLOCK_SIZE,
         "requests": len(schedule), "concurrency": args.concurrency, "closed_loop": args.closed_loop,
         "max_tokens": args.max_tokens,
-        "working_set_blocks": ws, "policies": results,
+        "working_set_blocks": ws, "ceiling": ceil, "policies": results,
     }
-    head = headline(results)
+    head = headline(results, ceil)
     figures["headline"] = head
     out = write_report("kv_affinity", figures, _markdown(figures, head))
     _plot(figures, out / "kv_affinity.png")
