@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -16,10 +16,15 @@ from coordinator.pipeline.service import StreamSession
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
 
 
 def frame(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """``data: <json>\\n\\n``: compact UTF-8 JSON (not ASCII-escaped), as vLLM frames its chunks.
+
+    msgspec encodes a chunk about ten times faster than ``json.dumps``; clients such as ``vllm bench
+    serve`` parse exactly ``data: `` (with the space) and the blank line."""
+    return b"data: " + _encode(obj) + b"\n\n"
 
 
 async def sse_body(session: StreamSession, on_error: Callable[[BaseException], None]) -> AsyncIterator[bytes]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
@@ -26,6 +26,8 @@ from coordinator.pipeline.errors import (
 )
 
 log = logging.getLogger(__name__)
+# msgspec: one decode per engine chunk is the hot path (several times faster than json.loads).
+_decode = msgspec.json.Decoder().decode
 
 
 def engine_request_id(request_id: str) -> str:
@@ -109,7 +111,7 @@ class EngineClient:
                         if event.data == "[DONE]":
                             finished = True
                             return
-                        chunk = json.loads(event.data)
+                        chunk = _decode(event.data)
                         if "error" in chunk:
                             finished = True
                             err = chunk["error"] if isinstance(chunk["error"], dict) else {}
@@ -156,8 +158,8 @@ class EngineClient:
 
 def _json_or_none(content: bytes) -> Any:
     try:
-        return json.loads(content)
-    except ValueError:
+        return _decode(content)
+    except msgspec.DecodeError:
         return None
 
 
