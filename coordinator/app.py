@@ -158,11 +158,13 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        sidecar_ok = await c.sidecar.healthy()
+        sidecars = await c.sidecar.health()
+        sidecar_ok = any(sidecars.values())
         engines = {e.url: e.state for e in c.registry.engines}
         ok = sidecar_ok and c.registry.any_healthy()
-        return JSONResponse({"ready": ok, "render": sidecar_ok, "engines": engines,
-                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length},
+        return JSONResponse({"ready": ok, "render": sidecar_ok, "render_sidecars": sidecars,
+                             "engines": engines, "inflight": c.pipeline.inflight,
+                             "queued": c.admission.queue_length},
                             status_code=200 if ok else 503)
 
     if settings.server.metrics:

@@ -61,17 +61,39 @@ class LimitsSettings(BaseModel):
 
 
 class RenderSettings(BaseModel):
-    """The localhost vLLM render sidecar (render + derender)."""
+    """The localhost vLLM render sidecars (render + derender): one process each, same model and flags."""
 
-    url: str = "http://127.0.0.1:8100"
+    url: str = Field(default="http://127.0.0.1:8100", description="the sidecar when `urls` is empty")
+    urls: list[str] = Field(
+        default_factory=list, description="a pool of sidecar processes; calls go to the least busy one "
+        "(streaming derender runs on one event loop per process, so capacity grows with processes)",
+    )
     timeout_s: float = Field(default=5.0, gt=0, description="per render/derender call, not per stream")
-    max_connections: int = Field(default=128, ge=1)
+    max_connections: int = Field(default=128, ge=1, description="per sidecar")
+    skip_s: float = Field(
+        default=2.0, gt=0, description="a sidecar that refused a connection gets no calls for this long"
+    )
     workers: int = Field(default=4, ge=1, description="--renderer-num-workers for the sidecar (deploy only)")
     parsers: bool = Field(
         default=False,
         description="the sidecar runs a tool-call or reasoning parser (derender then needs the full prompt "
         "ids on every streamed chunk)",
     )
+
+    @field_validator("url", "urls")
+    @classmethod
+    def _http_urls(cls, value: str | list[str]) -> str | list[str]:
+        for url in [value] if isinstance(value, str) else value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"render sidecar URL {url!r} must start with http:// or https://")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("render.urls lists a sidecar twice")
+        return value
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The sidecars in use: ``urls``, or ``[url]`` when it is empty."""
+        return list(self.urls) or [self.url]
 
 
 class EngineSettings(BaseModel):

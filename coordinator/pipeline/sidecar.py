@@ -1,77 +1,221 @@
-"""HTTP client for the localhost vLLM render sidecar (render, derender, models, health).
+"""HTTP client for the pool of localhost vLLM render sidecars (render, derender, models, health).
 
-One pooled ``httpx.AsyncClient``; every call has the per-call ``render.timeout_s`` (a streaming
-derender applies it per chunk, not per stream). Failures are mapped to pipeline errors here so
-render and derender callers only see typed errors.
+vLLM's streaming derender runs on one event loop per sidecar process, so streaming capacity grows
+with the number of processes, not with ``--renderer-num-workers``. ``render.urls`` lists the
+processes (same model and flags); each call goes to the one with the fewest calls in flight (ties:
+round robin). Render and derender are stateless (a stream's ``stream_state`` travels with every call),
+so any chunk may go to any sidecar, and a call that failed without a usable answer (no connection, a
+broken connection, a 5xx) is retried once on another sidecar; a sidecar that refused a connection gets
+no calls for ``render.skip_s`` (docs/decisions.md, "Render sidecar pool").
+
+JSON goes through msgspec both ways (several times faster than the stdlib on the per-chunk path).
+Parts of a body that do not change between calls can be encoded once and passed as ``msgspec.Raw``
+values (see ``post``), or a whole body as bytes (``post_raw``). Failures are mapped to pipeline
+errors here so render and derender callers only see typed errors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 
 from coordinator.config import RenderSettings
-from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.errors import (
+    PipelineError,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
+# Idle connections are dropped before the sidecar's own keep-alive timeout (uvicorn in vLLM: 5 s,
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a call rarely lands on a connection the server is closing.
+KEEPALIVE_EXPIRY_S = 4.0
+HEALTH_TIMEOUT_S = 2.0
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+def encode(obj: Any) -> bytes:
+    """UTF-8 JSON bytes; ``msgspec.Raw`` values inside ``obj`` are spliced in verbatim.
+
+    Callers use it to pre-encode the parts of a body that stay the same for a whole stream::
+
+        options = msgspec.Raw(encode(ctx.derender_request))   # once per request
+        await sidecar.post(path, {..., "chat_request": options})  # per chunk: no re-encoding
+    """
+    return _encode(obj)
+
+
+@dataclass(eq=False)
+class Sidecar:
+    """One sidecar process: its connection pool and what the picker needs to know of it."""
+
+    url: str
+    index: int
+    http: httpx.AsyncClient
+    outstanding: int = 0       # calls in flight
+    calls: int = 0             # calls sent (retries included)
+    skip_until: float = 0.0    # monotonic; refused a connection, so no calls before this
+
+
+class _Retryable(Exception):
+    """The call got no usable answer from this sidecar; another one may give it."""
+
+    def __init__(self, error: PipelineError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
 
 class SidecarClient:
-    """Typed calls to the render sidecar; knows nothing of the client-facing HTTP layer."""
+    """Typed calls to the render sidecars; knows nothing of the client-facing HTTP layer."""
 
-    def __init__(self, settings: RenderSettings, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, settings: RenderSettings, transport: httpx.AsyncBaseTransport | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``transport`` replaces the network for every sidecar (tests); ``clock`` drives ``skip_s``."""
         self.settings = settings
-        self._http = http or httpx.AsyncClient(
-            base_url=settings.url,
-            timeout=httpx.Timeout(settings.timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections,
-                                max_keepalive_connections=settings.max_connections),
-        )
+        self._clock = clock
+        limits = httpx.Limits(max_connections=settings.max_connections,
+                              max_keepalive_connections=settings.max_connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        self.sidecars = [
+            Sidecar(url, i, httpx.AsyncClient(base_url=url, transport=transport, limits=limits,
+                                              timeout=httpx.Timeout(settings.timeout_s)))
+            for i, url in enumerate(settings.endpoints)
+        ]
+        self._next = 0  # round-robin start among equally loaded sidecars
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await asyncio.gather(*(s.http.aclose() for s in self.sidecars))
 
-    async def post(self, path: str, body: dict[str, Any], *, request_id: str | None = None,
+    def pick(self, exclude: Sidecar | None = None) -> Sidecar | None:
+        """The sidecar for the next call: fewest calls in flight among those not skipped, ties taken
+        in round-robin order. If every candidate is skipped, the one whose skip ends first (better one
+        connection attempt than a certain failure). None when ``exclude`` was the only one."""
+        candidates = [s for s in self.sidecars if s is not exclude]
+        if not candidates:
+            return None
+        now = self._clock()
+        live = [s for s in candidates if s.skip_until <= now]
+        if not live:
+            return min(candidates, key=lambda s: s.skip_until)
+        n, start = len(self.sidecars), self._next
+        self._next = (start + 1) % n
+        return min(live, key=lambda s: (s.outstanding, (s.index - start) % n))
+
+    async def post(self, path: str, body: Mapping[str, Any], *, request_id: str | None = None,
                    stage: str = "render") -> Any:
-        """POST JSON and return the decoded JSON reply; 4xx pass through, the rest become 502/504."""
-        headers = {"X-Request-Id": request_id} if request_id else None
+        """POST ``body`` as JSON (``msgspec.Raw`` values spliced in as they are) and return the decoded
+        reply; 4xx pass through as client errors, the rest become 502/504."""
+        return await self.post_raw(path, _encode(body), request_id=request_id, stage=stage)
+
+    async def post_raw(self, path: str, content: bytes, *, request_id: str | None = None,
+                       stage: str = "render") -> Any:
+        """Like ``post`` for a body that is already JSON bytes (e.g. built once from ``encode``)."""
+        headers = {"content-type": "application/json"}
+        if request_id:
+            headers["x-request-id"] = request_id
+        first = self.pick()
+        assert first is not None  # settings.endpoints is never empty
         try:
-            resp = await self._http.post(path, json=body, headers=headers)
+            return await self._send(first, path, content, headers, stage)
+        except _Retryable as failed:
+            second = self.pick(exclude=first)
+            if second is None:
+                raise failed.error from failed.__cause__
+            log.info("%s on %s failed (%s); retrying on %s", stage, first.url, failed.error.message,
+                     second.url)
+        try:
+            return await self._send(second, path, content, headers, stage)
+        except _Retryable as failed:
+            raise failed.error from failed.__cause__
+
+    async def _send(self, sidecar: Sidecar, path: str, content: bytes, headers: dict[str, str],
+                    stage: str) -> Any:
+        sidecar.outstanding += 1
+        sidecar.calls += 1
+        try:
+            resp = await sidecar.http.post(path, content=content, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Nothing listens (process gone or restarting): skip it for a while.
+            sidecar.skip_until = self._clock() + self.settings.skip_s
+            raise _Retryable(UpstreamUnavailable(
+                f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
         except httpx.TimeoutException as exc:
+            # A slow sidecar is an overloaded one: a second attempt would only add load and latency.
             raise UpstreamTimeout(f"{stage} sidecar timed out after {self.settings.timeout_s}s") from exc
+        except httpx.TransportError as exc:
+            # Connection broke under the call (sidecar died, or closed an idle keep-alive connection).
+            raise _Retryable(UpstreamUnavailable(
+                f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
         except httpx.HTTPError as exc:
             raise UpstreamUnavailable(f"{stage} sidecar unreachable: {exc.__class__.__name__}") from exc
+        finally:
+            sidecar.outstanding -= 1
+        sidecar.skip_until = 0.0
         if resp.status_code >= 400:
-            data = _json_or_none(resp)
+            data = _json_or_none(resp.content)
             if 400 <= resp.status_code < 500 and (resp.status_code not in (404, 405) or _is_model_404(data)):
                 raise UpstreamClientError(resp.status_code, data, f"{stage} rejected the request")
-            log.warning("%s sidecar answered %s on %s: %s", stage, resp.status_code, path, resp.text[:300])
-            raise UpstreamUnavailable(f"{stage} sidecar failed with HTTP {resp.status_code}")
+            log.warning("%s sidecar %s answered %s on %s: %s", stage, sidecar.url, resp.status_code, path,
+                        resp.text[:300])
+            error = UpstreamUnavailable(f"{stage} sidecar failed with HTTP {resp.status_code}")
+            if resp.status_code >= 500:
+                raise _Retryable(error)
+            raise error
         try:
-            return resp.json()
-        except ValueError as exc:
+            return _decode(resp.content)
+        except msgspec.DecodeError as exc:
             raise UpstreamUnavailable(f"{stage} sidecar returned invalid JSON") from exc
 
     async def models(self) -> list[dict[str, Any]]:
-        resp = await self._http.get("/v1/models")
-        resp.raise_for_status()
-        data = resp.json().get("data", [])
-        return [m for m in data if isinstance(m, dict)]
+        """The model cards of the first sidecar that answers (all serve the same model)."""
+        error: Exception = RuntimeError("no render sidecar configured")
+        order = sorted(self.sidecars, key=lambda s: (s.skip_until > self._clock(), s.index))
+        for sidecar in order:
+            try:
+                resp = await sidecar.http.get("/v1/models")
+                resp.raise_for_status()
+                data = _decode(resp.content).get("data", [])
+            except (httpx.HTTPError, msgspec.DecodeError, AttributeError) as exc:
+                error = exc
+                continue
+            return [m for m in data if isinstance(m, dict)]
+        raise error
+
+    async def health(self) -> dict[str, bool]:
+        """``GET /health`` of every sidecar, concurrently; refreshes which ones are skipped."""
+        async def probe(sidecar: Sidecar) -> bool:
+            try:
+                resp = await sidecar.http.get("/health", timeout=HEALTH_TIMEOUT_S)
+            except httpx.HTTPError:
+                sidecar.skip_until = self._clock() + self.settings.skip_s
+                return False
+            ok = resp.status_code == 200
+            sidecar.skip_until = 0.0 if ok else self._clock() + self.settings.skip_s
+            return ok
+
+        results = await asyncio.gather(*(probe(s) for s in self.sidecars))
+        return {s.url: ok for s, ok in zip(self.sidecars, results, strict=True)}
 
     async def healthy(self) -> bool:
-        try:
-            resp = await self._http.get("/health", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+        """At least one sidecar answers (the pool still serves every call then)."""
+        return any((await self.health()).values())
 
 
-def _json_or_none(resp: httpx.Response) -> Any:
+def _json_or_none(content: bytes) -> Any:
     try:
-        return resp.json()
-    except ValueError:
+        return _decode(content)
+    except msgspec.DecodeError:
         return None
 
 
