@@ -3,14 +3,15 @@
 ``python deploy/local_stack.py`` (or ``python -m deploy.local_stack``, or ``make run``):
 
 1. prepares the SmolLM2 model folder if needed (``token_engine.model_prep``);
-2. starts the render sidecar and a tokens-only engine **in parallel** (each needs ~15-60 s, mostly
-   ``import vllm``), with ``[render]`` / ``[engine]`` log prefixes;
+2. starts the render sidecars (one process per ``render.urls`` entry, or the one ``render.url``) and a
+   tokens-only engine **in parallel** (each needs ~15-60 s, mostly ``import vllm``), with ``[render]``,
+   ``[render-1]``, ... / ``[engine]`` log prefixes;
 3. when both answer ``/health``, starts ``python -m coordinator --config deploy/local/coordinator.yaml``
    and prints a ``ready:`` line with a curl example once its ``/ready`` answers 200.
 
 Addresses come from the coordinator YAML, so ports are configured in one place. Ctrl-C / SIGTERM stops
-everything, coordinator first (so no request reaches a half-stopped engine), then engine, then render,
-and exits 0. If any child dies on its own, the rest are stopped and the exit status is 1.
+everything, coordinator first (so no request reaches a half-stopped engine), then engine, then the
+render sidecars, and exits 0. If any child dies on its own, the rest are stopped and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def say(message: str) -> None:
 class StackPlan:
     """What to start, derived from the coordinator YAML (defaults = the coordinator's own)."""
 
-    render_host: str
-    render_port: int
+    renders: tuple[tuple[str, int], ...]   # (host, port) of each render sidecar process
     engine_host: str
     engine_port: int
     server_host: str
@@ -76,12 +76,12 @@ def load_plan(config_path: Path) -> StackPlan:
         raise ValueError(f"{config_path}: the local stack runs exactly one engine with role union")
     models = data.get("models") or [{"name": "smollm2-135m-instruct", "aliases": ["gpt-4o-mini"]}]
     server = data.get("server") or {}
-    render_host, render_port = _host_port(str(render.get("url", "http://127.0.0.1:8100")), 8100)
+    urls = render.get("urls") or [render.get("url", "http://127.0.0.1:8100")]
+    renders = tuple(_host_port(str(u), 8100) for u in urls)
     engine_host, engine_port = _host_port(str(unions[0]["url"]), 8200)
     workers = render.get("workers")
     return StackPlan(
-        render_host=render_host,
-        render_port=render_port,
+        renders=renders,
         engine_host=engine_host,
         engine_port=engine_port,
         server_host=str(server.get("host", "127.0.0.1")),
@@ -120,16 +120,20 @@ def run_stack(
     render_kwargs: dict[str, Any] = {}
     if plan.render_workers is not None:
         render_kwargs["renderer_num_workers"] = plan.render_workers
-    render = RenderSidecar(
-        model_dir, host=plan.render_host, port=plan.render_port, served_model_name=plan.model_name,
-        max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("render"), **render_kwargs,
-    )
+    render_names = ["render"] + [f"render-{i}" for i in range(1, len(plan.renders))]
+    renders = [
+        RenderSidecar(
+            model_dir, host=host, port=port, served_model_name=plan.model_name,
+            max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path(name), name=name, **render_kwargs,
+        )
+        for name, (host, port) in zip(render_names, plan.renders, strict=True)
+    ]
     engine = VllmEngine(
         model_dir, host=plan.engine_host, port=plan.engine_port, served_model_name=plan.model_name,
         mode="tokens-only", max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("engine"),
     )
     coordinator: ManagedProcess | None = None
-    servers: list[VllmServer] = [render, engine]
+    servers: list[VllmServer] = [*renders, engine]
     failure: str | None = None
 
     with stop_signals() as stop:
@@ -156,9 +160,10 @@ def run_stack(
                 say(f"try:   {_curl_example(base + '/v1', plan.model_name)}")
             else:
                 reason = "disabled" if not with_coordinator else "module `coordinator` not found"
-                say(f"ready without coordinator ({reason}): render {render.url}, engine {engine.url}")
+                say(f"ready without coordinator ({reason}): render {', '.join(r.url for r in renders)}, "
+                    f"engine {engine.url}")
             say("Ctrl-C stops everything")
-            children: list[ManagedProcess] = [p for p in (render.process, engine.process, coordinator) if p]
+            children = [p for p in (*(s.process for s in servers), coordinator) if p is not None]
             while not stop.is_set():
                 dead = [p for p in children if not p.is_running()]
                 if dead:
@@ -170,12 +175,13 @@ def run_stack(
         except (OSError, RuntimeError, TimeoutError) as exc:  # RuntimeError covers ProcessExitedError
             failure = str(exc)
         finally:
-            order = ([] if coordinator is None else ["coordinator"]) + ["engine", "render"]
+            order = ([] if coordinator is None else ["coordinator"]) + ["engine"] + [r.name for r in renders]
             say(f"stopping: {', '.join(order)}")
             if coordinator is not None:
                 coordinator.stop(timeout=10)
             engine.stop()
-            render.stop()
+            for render in renders:
+                render.stop()
     if failure is not None:
         say(f"FAILED: {failure}")
         return 1

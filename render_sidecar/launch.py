@@ -44,6 +44,7 @@ class RenderSidecar(VllmServer):
         echo: bool = True,
         *,
         renderer_num_workers: int = DEFAULT_RENDERER_WORKERS,
+        name: str | None = None,
         python: str | None = None,
         cpu: bool | None = None,
         env_overrides: dict[str, str] | None = None,
@@ -54,6 +55,8 @@ class RenderSidecar(VllmServer):
             model_dir, host=host, port=port, extra_args=extra_args, log_path=log_path, echo=echo,
             python=python, cpu=cpu, env_overrides=env_overrides,
         )
+        if name:
+            self.name = name  # e.g. "render-1" when several sidecars share one terminal
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.tool_call_parser = tool_call_parser
