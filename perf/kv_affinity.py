@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     figures: dict[str, Any] = {
         "workload": asdict(work), "engine_model": asdict(model), "engines": ENGINES, "block_size": BLOCK_SIZE,
         "requests": len(schedule), "concurrency": args.concurrency, "closed_loop": args.closed_loop,
-        "max_tokens": args.max_tokens,
+        "max_tokens": args.max_tokens, "quick": args.quick,
         "working_set_blocks": ws, "ceiling": ceil, "policies": results,
     }
     head = headline(results, ceil)

@@ -1,17 +1,21 @@
 """The benchmarks' ``--quick`` modes run end to end and keep their output contract (report files, one
 JSON last line), and the overload benchmark's definitions (goodput window, SLO, leaks) hold.
 
-No vLLM here (unit layer): the overload smoke run talks to a minimal stand-in for the render sidecar
-that covers only what a token-id completion needs; its numbers are meaningless, its plumbing is not.
-``python -m perf.overload --quick`` against the real sidecar is the benchmark's own smoke run.
+No vLLM here (unit layer): the smoke runs talk to a minimal stand-in for the render sidecar that
+covers only what they need (token-id completions, plain chat, /tokenize, vLLM's per-route request
+counter); their numbers are meaningless, their plumbing is not. ``python -m perf.<name> --quick``
+against the real sidecar is each benchmark's own smoke run. ``perf.ab_native`` needs two real vLLM
+engines (minutes to start on 2 cores), so only its figures are checked here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +23,10 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 import perf._report
-from perf import overload, scheduler_latency
+from perf import ab_native, capacity, derender_cost, docs, kv_affinity, overload, scheduler_latency
 
 SERVED = "smollm2-135m-instruct"
 
@@ -53,8 +58,43 @@ def test_scheduler_latency_quick(out_root: Path, capsys: pytest.CaptureFixture[s
 
 # ------------------------------------------------------------------------------------ overload
 def stub_render_app() -> FastAPI:
-    """Render: token-id prompt passed through; derender: one text chunk per engine chunk."""
+    """Render: token-id prompt passed through (chat: fixed ids); derender: one "x" per token; /metrics:
+    vLLM's ``http_requests_total`` per handler."""
     app = FastAPI()
+    calls: Counter[str] = Counter()
+
+    @app.middleware("http")
+    async def count(request: Any, call_next: Any) -> Any:
+        calls[request.url.path] += 1
+        return await call_next(request)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("".join(f'http_requests_total{{handler="{path}",method="POST",status="2xx"}} '
+                                         f"{n}.0\n" for path, n in calls.items()))
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> dict[str, Any]:
+        return {"tokens": [100 + len(w) for w in body["prompt"].split()]}
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(body: dict[str, Any]) -> dict[str, Any]:
+        ids = [1, 520] + [100 + len(m["content"]) for m in body["messages"]] + [1, 520, 198]
+        return {"request_id": "chatcmpl-stub", "token_ids": ids, "model": SERVED, "output_mode": "tokens",
+                "stream": body.get("stream", False),
+                "sampling_params": {"max_tokens": body.get("max_tokens", 16), "ignore_eos": True}}
+
+    @app.post("/v1/chat/completions/derender")
+    async def chat_derender(body: dict[str, Any]) -> dict[str, Any]:
+        first = body.get("stream_state") is None
+        choices = [{"index": c.get("index", 0),
+                    "delta": {**({"role": "assistant"} if first else {}),
+                              "content": "x" * len(c.get("token_ids") or [])},
+                    "logprobs": None, "finish_reason": c.get("finish_reason")}
+                   for c in body["generate_chunk"]["choices"]]
+        return {"chunk": {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0,
+                          "model": SERVED, "choices": choices, "usage": None},
+                "stream_state": {"role_sent": True}}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -142,3 +182,81 @@ def test_timeline_censors_requests_that_never_saw_a_token() -> None:
     t = overload.timeline(outs, 1.0, slo_s=0.3, timeout_s=8.0)
     assert t["goodput_rps"] == [1]
     assert t["ttft_p99_ms"] == [8000.0]
+
+
+# ------------------------------------------------------------------------ capacity, derender cost
+def test_capacity_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    capacity.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "capacity"
+    assert result["outputs_identical"] is True
+    assert result["direct_tokens_per_s"] > 0 and result["streamed_tokens_per_s"] > 0
+    figures = json.loads((out_root / "capacity" / "result.json").read_text())
+    plain, coalesced = figures["cells"]                       # 1 sidecar: coalescing off, on
+    assert (plain["coalesce"], coalesced["coalesce"]) == (False, True)
+    assert plain["derender_calls_per_token"] == 1.0          # one call per one-token engine chunk
+    assert coalesced["derender_calls_per_token"] <= 1.0
+    assert plain["coordinator_cpu_s_per_1k_tokens"] > 0     # a child process: its CPU is measured
+    assert plain["sidecar_cpu_s_per_1k_tokens"] is None      # a given sidecar: not ours to measure
+    assert (out_root / "capacity" / "capacity.png").stat().st_size > 0
+    assert (out_root / "capacity" / "last_line.json").exists()
+
+
+def test_derender_cost_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    derender_cost.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "derender_cost"
+    assert result["cost_ratio_200_vs_10"] > 0
+    assert "hermes_parser_cost_ratio_200_vs_10" not in result    # no parser sidecar given: skipped
+    report = (out_root / "derender_cost" / "report.md").read_text()
+    assert report.startswith("# Streaming derender cost") and "| plain |" in report
+
+
+# ---------------------------------------------------------------------------------- kv_affinity
+def test_kv_affinity_ceiling_counts_every_distinct_block_once() -> None:
+    a = list(range(100, 100 + 3 * kv_affinity.BLOCK_SIZE))          # 3 blocks
+    b = a + list(range(500, 500 + 2 * kv_affinity.BLOCK_SIZE)) + [7]  # the same 3, 2 new, a partial tail
+    schedule = [kv_affinity.Turn(0, 0, 0.0, a), kv_affinity.Turn(0, 1, 1.0, b)]
+    ceil = kv_affinity.ceiling(schedule)
+    assert (ceil["blocks_sent"], ceil["distinct_blocks"]) == (8, 5)
+    assert ceil["hit_rate_blocks"] == round(1 - 5 / 8, 4)
+    assert ceil["hit_rate_tokens"] == round(3 * kv_affinity.BLOCK_SIZE / (len(a) + len(b)), 4)
+
+
+# ------------------------------------------------------------------------------------ ab_native
+def test_ab_native_ratios_are_coordinator_over_native_medians() -> None:
+    def run(ttft: float, itl: float, tput: float) -> dict[str, Any]:
+        return {"median_ttft_ms": ttft, "median_itl_ms": itl, "output_throughput": tput, "failed": 0,
+                "cpu_s_per_token": {"coordinator": 0.001, "sidecar": 0.002}}
+
+    runs = {"chat|1|coordinator": [run(11, 10.4, 95), run(13, 10.6, 97)],
+            "chat|1|native": [run(10, 10, 100), run(10, 10, 100)]}
+    args = argparse.Namespace(prompts=2, input_len=8, output_len=4, reps=2, quick=True)
+    f = ab_native.figures(runs, ["chat"], [1], args)
+    cell = f["cells"]["chat|1"]
+    assert (cell["ttft_p50_ratio"], cell["itl_p50_ratio"], cell["throughput_ratio"]) == (1.2, 1.05, 0.96)
+    assert cell["met"] == {"ttft_p50_ratio": False, "itl_p50_ratio": True, "throughput_ratio": True}
+    assert f["targets_met"] is False
+    assert "1.2 (missed)" in ab_native._markdown(f)
+
+
+# ----------------------------------------------------------------------------------------- docs
+def test_docs_replaces_marked_blocks_appends_new_ones_and_skips_quick_runs(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nintro\n\n<!-- report:capacity -->\nold\n<!-- /report:capacity -->\n\n"
+                   "Reading: kept.\n\n<!-- report:overload -->\nold overload\n<!-- /report:overload -->\n")
+    out = tmp_path / "out"
+    for name, quick in (("capacity", False), ("overload", True), ("derender_cost", False)):
+        (out / name).mkdir(parents=True)
+        (out / name / "report.md").write_text(f"# Title\n\nnew {name}\n\n## Part\n\n![plot]({name}.png)\n")
+        (out / name / "result.json").write_text(json.dumps({"quick": quick}))
+        (out / name / f"{name}.png").write_bytes(b"png")
+    (out / "capacity" / "last_line.json").write_text('{"benchmark":"capacity"}\n')
+    docs.main(["--doc", str(doc), "--out", str(out)])
+    text = doc.read_text()
+    assert "new capacity" in text and "old\n" not in text and "Reading: kept." in text
+    assert "### Part" in text and "![capacity](img/capacity.png)" in text
+    assert 'Last line: `{"benchmark":"capacity"}`' in text
+    assert "old overload" in text and "new overload" not in text          # a quick run changes nothing
+    assert text.rstrip().endswith("<!-- /report:derender_cost -->")        # a new section at the end
+    assert (tmp_path / "img" / "capacity.png").exists() and not (tmp_path / "img" / "overload.png").exists()
