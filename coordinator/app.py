@@ -22,6 +22,7 @@ from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.render import RenderStage
@@ -108,9 +109,12 @@ def build_components(settings: Settings) -> Components:
         derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
         strict=settings.server.request_mode == "strict",
         queue_chunks=settings.stream.queue_chunks,
+        coalescing=Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
+                              settings.stream.buffer_tokens, settings.stream.coalesce_with_parsers),
         early_refusal=admission.check_early,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
+    metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics)
 

@@ -283,6 +283,10 @@ class StreamSettings(BaseModel):
         default=2048, ge=1, description="engine tokens buffered per stream before the coordinator stops "
         "reading from the engine (back-pressure from a slow client reaches the engine's socket)",
     )
+    coalesce_with_parsers: bool = Field(
+        default=False, description="merge calls also when the sidecar runs tool/reasoning parsers; only "
+        "for chunking-invariant parsers (vLLM 0.32's olmo3 is not: with it every call carries one token)",
+    )
 
 
 class Settings(BaseSettings):

@@ -14,6 +14,10 @@ _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.stream_buffered_tokens = Gauge(
+            "coordinator_stream_buffered_tokens",
+            "Engine tokens read by open streams but not yet derendered (bounded by stream.buffer_tokens)",
+            registry=r)
         self.inflight = Gauge("coordinator_inflight_requests", "Client requests currently in flight",
                               registry=r)  # app.py points it at the pipeline's count
         # --- admission ---

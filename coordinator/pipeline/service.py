@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,12 @@ class Pipeline:
         self._coalescing = coalescing or Coalescing()
         self._early_refusal = early_refusal  # admission's "queue full" check, run before render
         self.inflight = 0  # client requests between begin() and their release
+        self._sessions: weakref.WeakSet[StreamSession] = weakref.WeakSet()
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Engine tokens held by open streams, waiting for derender or for their client."""
+        return sum(s.buffered_tokens for s in list(self._sessions))
 
     # -- lifecycle -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -162,6 +169,7 @@ class Pipeline:
     async def open_stream(self, ctx: RequestContext) -> StreamSession:
         """Open every engine stream before the first byte goes to the client."""
         session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks, self._coalescing)
+        self._sessions.add(session)
         try:
             await session.open()
         except BaseException:
@@ -239,6 +247,10 @@ class StreamSession:
             await self._queue.put(_Finished(exc))
             return
         await self._queue.put(_Finished())
+
+    @property
+    def buffered_tokens(self) -> int:
+        return sum(ps.buffered_tokens for ps, _ in self._streams)
 
     def usage_chunk(self) -> dict[str, Any]:
         prompt = sum(p.prompt_tokens for p in self.ctx.prompts)

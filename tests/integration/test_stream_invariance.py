@@ -13,6 +13,9 @@ a stop string found inside a merged call must still count exactly the tokens up 
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -100,3 +103,41 @@ def test_streams_are_identical_for_every_chunk_size(coordinators: dict[str, Coor
         assert got == ref, f"engine chunks of {name} tokens differ from one call per token"
     for coord in coordinators.values():
         assert coord.wait_idle() == 0
+
+
+def test_a_slow_reader_keeps_coordinator_buffers_bounded(render_sidecar: Any) -> None:
+    """A client that stops reading a long, fast stream: the coordinator holds at most
+    ``stream.buffer_tokens`` engine tokens (the rest waits in the engine's socket), and the whole
+    answer still arrives once the client reads again. The answer (4 choices x 1,900 tokens with
+    logprobs) is far larger than what the sockets between engine, coordinator and client can hold,
+    so the stall must reach the coordinator's buffers."""
+    with ExitStack() as stack:
+        sim = stack.enter_context(SimulatedEngine(SimConfig(model=SERVED)))
+        settings = make_settings(render_sidecar.url, [sim.url],
+                                 stream={"buffer_tokens": 64, "max_tokens_per_call": 16, "queue_chunks": 4})
+        coord = stack.enter_context(CoordinatorServer(settings))
+        body = json.dumps({"model": SERVED, "prompt": "hi", "max_tokens": 1900, "ignore_eos": True, "n": 4,
+                           "logprobs": 5, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        seen: list[float] = []
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow client on a small window
+            s.settimeout(120)
+            s.connect(("127.0.0.1", coord.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            received = s.recv(4096)
+            for _ in range(40):  # the client stalls; sample what the coordinator holds meanwhile
+                time.sleep(0.05)
+                seen.append(_sample(coord))
+            while chunk := s.recv(1 << 16):
+                received += chunk
+                if received.endswith(b"data: [DONE]\n\n0\r\n\r\n") or b"data: [DONE]" in received[-64:]:
+                    break
+        assert max(seen) <= 64, seen
+        assert max(seen) > 0, "the buffer was never used: the stall did not reach the coordinator"
+        assert b'"completion_tokens":7600' in received
+        assert coord.wait_idle() == 0
+
+
+def _sample(coord: CoordinatorServer) -> float:
+    return float(coord.components.metrics.registry.get_sample_value("coordinator_stream_buffered_tokens") or 0)

@@ -90,6 +90,7 @@ class PromptStream:
         self._token_by_token = self._parsers and not self._coalescing.with_parsers
         self.choices = {i: ChoiceState(StopMatcher(plan.stop)) for i in range(plan.n)}
         self.derender_calls = 0
+        self._buffers: ChoiceBuffers | None = None
         self._roles_started = False
         self._roles_sent = asyncio.Event()
 
@@ -100,6 +101,11 @@ class PromptStream:
     @property
     def finished(self) -> bool:
         return all(c.done for c in self.choices.values())
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Engine tokens read but not yet derendered (what a slow client makes the coordinator hold)."""
+        return self._buffers.buffered_tokens if self._buffers is not None else 0
 
     async def run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
         """Consume engine chunks until every choice is finished (normally or by a stop string).
@@ -114,7 +120,7 @@ class PromptStream:
                     if self.finished and any(c.stopped_early for c in self.choices.values()):
                         return
             return
-        buffers = ChoiceBuffers(self.plan.n, self._coalescing.buffer_tokens)
+        buffers = self._buffers = ChoiceBuffers(self.plan.n, self._coalescing.buffer_tokens)
         reader = asyncio.create_task(self._read(chunks, buffers))
         try:
             try:
