@@ -5,6 +5,7 @@
 #   make test   the test suite (builds .venv-compat for the third-party client tests too)
 #   make compat the third-party client and OpenAI-spec suite only (tests/compat)
 #   make lint   ruff + mypy --strict
+#   make bench  every benchmark (perf/), then docs/benchmarks.md from their reports (tens of minutes)
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -20,7 +21,7 @@ COMPAT_VENV  := .venv-compat
 COMPAT_REQ   := tests/compat/requirements.txt
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv compat-venv model run test compat lint
+.PHONY: venv compat-venv model run test compat lint bench
 
 venv: $(STAMP)
 
@@ -61,3 +62,11 @@ compat: venv compat-venv model
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m mypy $(MYPY_PATHS)
+
+# Every benchmark in perf/ (each writes perf/out/<name>/), then docs/benchmarks.md and docs/img/ from
+# their reports. Run it on a quiet machine: the figures are ratios, but a busy machine still skews them.
+BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost ab_native
+
+bench: venv model
+	@set -e; for b in $(BENCHMARKS); do echo "== perf.$$b"; $(PY) -m perf.$$b; done
+	$(PY) -m perf.docs
