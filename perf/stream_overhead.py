@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             direct["sampling_params"] = {**rendered["sampling_params"], "max_tokens": args.max_tokens,
                                          "ignore_eos": True}
             figures: dict[str, Any] = {"max_tokens": args.max_tokens, "decode_ms": args.decode_ms,
-                                       "requests": args.requests, "levels": {}}
+                                       "requests": args.requests, "levels": {},
+                                       "renderer_workers": render.renderer_num_workers}
             for conc in levels:
                 say(f"concurrency {conc}: warm-up")
                 asyncio.run(_run(f"{coord.url}/v1/chat/completions", chat, min(4, args.requests), conc))
@@ -127,7 +128,8 @@ def _markdown(f: dict[str, Any]) -> str:
                     f"{v['direct_total']['p50_ms']} / {v['coordinator_total']['p50_ms']} | "
                     f"{v['total_p50_ratio']} | {v['added_ms_per_token_p50']} |")
     return (f"# Streaming overhead\n\n{f['requests']} requests per level, {f['max_tokens']} tokens each, "
-            f"engine {f['decode_ms']} ms/token.\n\n" + "\n".join(rows) + "\n\n![plot](stream_overhead.png)\n")
+            f"engine {f['decode_ms']} ms/token, render sidecar with {f['renderer_workers']} renderer workers "
+            f"(`--renderer-num-workers`).\n\n" + "\n".join(rows) + "\n\n![plot](stream_overhead.png)\n")
 
 
 def _plot(f: dict[str, Any], path: Any) -> None:
