@@ -35,9 +35,11 @@ def _fit(body: Any) -> Any:
     if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
         del body["response_format"]  # structured outputs are not supported either
     body["model"] = os.environ["COMPAT_MODEL"]
-    budget = [k for k in ("max_tokens", "max_completion_tokens") if k in body]
+    # Absent or null (null reads as unset) means the server default: the whole context window, which
+    # on a CPU engine outlasts any request timeout.
+    budget = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
     if not budget:
-        body["max_tokens"] = MAX_TOKENS  # the server default is the whole context window
+        body["max_tokens"] = MAX_TOKENS
     for key in budget:
         if _is_int(body[key]) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
