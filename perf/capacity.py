@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,6 +43,7 @@ from perf._procs import (
     sidecar_pid,
     sim_engines,
     supports_render_pool,
+    tree_cpu_s,
 )
 from perf._report import Progress, final_json, write_report
 
@@ -127,14 +129,15 @@ def run_cell(label: str, render_urls: list[str], render_pids: list[int | None], 
     with CoordinatorProcess(cfg, log_path=log) as coord:
         asyncio.run(wave_chat(coord.url, texts[:4], 8))   # warm-up: connections, first render
         calls0 = [sidecar_calls(u) for u in render_urls]
-        cpu0 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]))
+        me = os.getpid()   # the load generator: if it saturates, the cell measures the client
+        cpu0 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), tree_cpu_s(me))
         try:
             wall, streamed, frames = asyncio.run(wave_chat(coord.url, texts, tokens))
         except (RuntimeError, httpx.HTTPError) as exc:   # recorded; the other cells still run
             say(f"{label}: FAILED: {exc}")
             return {"label": label, "sidecars": len(render_urls), "coalesce": coalesce,
                     "error": str(exc)[:300], "streamed_tokens_per_s": 0.0}, []
-        cpu1 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]))
+        cpu1 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), tree_cpu_s(me))
         calls1 = [sidecar_calls(u) for u in render_urls]
     total = len(texts) * tokens
     calls = None if None in calls0 + calls1 else sum(b - a for a, b in zip(calls0, calls1, strict=True)
@@ -148,6 +151,10 @@ def run_cell(label: str, render_urls: list[str], render_pids: list[int | None], 
         "coordinator_cpu_s_per_1k_tokens": per_1k(d[0], total),
         "sidecar_cpu_s_per_1k_tokens": per_1k(d[1], total),
         "engine_cpu_s_per_1k_tokens": per_1k(d[2], total),
+        "client_cpu_s_per_1k_tokens": per_1k(d[3], total),
+        # Other work on the machine shows here: a 1-minute load average well above the core count
+        # means these processes got a fraction of the CPU and the rate is not the coordinator's.
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
     say(f"{label}: {cell['streamed_tokens_per_s']} tok/s, derender calls/token "
         f"{cell['derender_calls_per_token']}, CPU s/1k tokens coordinator "
@@ -265,19 +272,21 @@ def _fmt(v: Any) -> str:
 
 def _markdown(f: dict[str, Any]) -> str:
     rows = ["| cell | streamed tok/s | vs direct | derender calls / token | CPU s / 1k tokens: coordinator | "
-            "sidecar(s) | engine | same texts |", "|---|---|---|---|---|---|---|---|"]
+            "sidecar(s) | engine | load generator | same texts | load avg (1 min) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     d = f["direct"]
     rows.append(f"| engine direct | {d['direct_tokens_per_s']} | 1.0 | - | - | - | "
-                f"{_fmt(d['engine_cpu_s_per_1k_tokens'])} | - |")
+                f"{_fmt(d['engine_cpu_s_per_1k_tokens'])} | - | - | - |")
     for c in f["cells"]:
         if "error" in c:
-            rows.append(f"| {c['label']} | failed: {c['error'][:120]} | | | | | | |")
+            rows.append(f"| {c['label']} | failed: {c['error'][:120]} | | | | | | | | |")
             continue
         rows.append(f"| {c['label']} | {c['streamed_tokens_per_s']} | "
                     f"{round(c['streamed_tokens_per_s'] / d['direct_tokens_per_s'], 4)} | "
                     f"{_fmt(c['derender_calls_per_token'])} | {_fmt(c['coordinator_cpu_s_per_1k_tokens'])} | "
                     f"{_fmt(c['sidecar_cpu_s_per_1k_tokens'])} | {_fmt(c['engine_cpu_s_per_1k_tokens'])} | "
-                    f"{c['texts_identical_to_first_cell']} |")
+                    f"{_fmt(c['client_cpu_s_per_1k_tokens'])} | {c['texts_identical_to_first_cell']} | "
+                    f"{c['load_avg_1m']} |")
     pool = "" if f["render_pool_supported"] else (
         " This coordinator has no `render.urls` yet, so only the 1-sidecar cells ran.")
     verdict = "met" if f["target_met"] else "NOT met"
