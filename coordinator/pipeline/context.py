@@ -44,6 +44,7 @@ class RequestContext:
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: list[PromptPlan] = field(default_factory=list)
     derender_request: dict[str, Any] = field(default_factory=dict)  # see derender.client.request_view
+    encoded: dict[str, Any] = field(default_factory=dict)  # JSON fragments encoded once per request
 
     @property
     def response_id(self) -> str:

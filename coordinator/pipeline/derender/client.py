@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.errors import UpstreamUnavailable
-from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.sidecar import SidecarClient, encode
 
 # Plain (parser-free) streaming derender only needs a prompt *suffix* to seed detokenisation
 # (leading-space handling), so the per-token path does not ship the whole prompt each time.
@@ -25,6 +27,14 @@ def request_view(ctx: RequestContext) -> dict[str, Any]:
     return {**ctx.body, "prompt": "-"}  # must be non-empty to validate
 
 
+def _encoded(ctx: RequestContext, key: str, value: Any) -> msgspec.Raw:
+    """``value`` as JSON, encoded on the request's first call and spliced into every later one."""
+    raw = ctx.encoded.get(key)
+    if raw is None:
+        raw = ctx.encoded[key] = msgspec.Raw(encode(value))
+    return raw
+
+
 class Derenderer:
     def __init__(self, sidecar: SidecarClient, *, parsers: bool) -> None:
         self._sidecar = sidecar
@@ -39,18 +49,19 @@ class Derenderer:
     async def stream_chunk(self, ctx: RequestContext, plan: PromptPlan, chunk: dict[str, Any],
                            state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Derender one engine chunk; returns the OpenAI chunk and the next ``stream_state``."""
-        if self._parsers:
-            seed: list[int] | None = plan.prompt_token_ids
+        if self._parsers:  # the whole prompt on every call: encoded once per prompt
+            seed: Any = _encoded(ctx, f"prompt:{plan.index}", plan.prompt_token_ids)
         else:
             seed = plan.prompt_token_ids[-_SEED_SUFFIX:] if state is None else None
         body: dict[str, Any] = {"stream": True, "model": ctx.model, "generate_chunk": chunk,
                                 "stream_state": state, "prompt_tokens": plan.prompt_tokens,
                                 "prompt_token_ids": seed}
+        options = _encoded(ctx, "options", ctx.derender_request)  # the same for every chunk
         if ctx.kind == "chat":
-            body["chat_request"] = ctx.derender_request
+            body["chat_request"] = options
             path = "/v1/chat/completions/derender"
         else:
-            body["completion_request"] = ctx.derender_request
+            body["completion_request"] = options
             path = "/v1/completions/derender"
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
