@@ -22,6 +22,7 @@ needs the full prompt ids on every call, as the coordinator sends them).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -114,7 +115,7 @@ def measure(leg: Leg, positions: list[int], calls: int, rounds: int, build_chunk
                        "wall_p90_ms": round(pct(walls[p], 90) * 1000, 3),
                        "sidecar_cpu_ms_per_call":
                            round(statistics.median(cpu[p]) * 1000, 3) if cpu[p] else None,
-                       "state_bytes": len(str(states[p]))}
+                       "state_bytes": len(json.dumps(states[p]))}
         say(f"  {'parser' if leg.parser else 'plain'} @ {p}: {res[str(p)]}")
     lo, hi = str(positions[0]), str(positions[-1])
     ratio = round(res[hi]["wall_p50_ms"] / res[lo]["wall_p50_ms"], 3)
@@ -137,7 +138,8 @@ def sidecar(url: str | None, parser: bool, say: Progress,
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--positions", default="100,4000", help="output positions; ratio = last / first")
-    ap.add_argument("--calls", type=int, default=40, help="timed calls per position per round")
+    ap.add_argument("--calls", type=int, default=100,
+                    help="timed calls per position per round (CPU time is read in 10 ms ticks)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--build-chunk", type=int, default=16, help="tokens per call while carrying the state")
     ap.add_argument("--no-parser", action="store_true", help="skip the tool-parser sidecar")
@@ -190,12 +192,14 @@ def _markdown(f: dict[str, Any]) -> str:
     ps = f["positions"]
     rows = ["| sidecar | " + " | ".join(f"ms per call @ {p} (p50 / p90)" for p in ps)
             + " | " + " | ".join(f"sidecar CPU ms per call @ {p}" for p in ps)
-            + f" | wall ratio {ps[-1]} vs {ps[0]} | CPU ratio |", "|---" * (2 * len(ps) + 3) + "|"]
+            + " | " + " | ".join(f"stream_state bytes @ {p}" for p in ps)
+            + f" | wall ratio {ps[-1]} vs {ps[0]} | CPU ratio |", "|---" * (3 * len(ps) + 3) + "|"]
     for name, leg in f["legs"].items():
         pos = leg["positions"]
         rows.append(f"| {name} | " + " | ".join(f"{pos[str(p)]['wall_p50_ms']} / {pos[str(p)]['wall_p90_ms']}"
                                                 for p in ps)
                     + " | " + " | ".join(str(pos[str(p)]["sidecar_cpu_ms_per_call"]) for p in ps)
+                    + " | " + " | ".join(str(pos[str(p)]["state_bytes"]) for p in ps)
                     + f" | **{leg['cost_ratio']}** | {leg['cpu_ratio']} |")
     verdict = "met" if f["target_met"] else "NOT met"
     return (f"# Streaming derender cost by output position\n\nOne-token streaming chat derender calls with "
