@@ -17,11 +17,10 @@ errors here so render and derender callers only see typed errors.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -34,6 +33,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from coordinator.pipeline.http_lanes import Lanes
 
 log = logging.getLogger(__name__)
 
@@ -57,41 +57,21 @@ def encode(obj: Any) -> bytes:
     return _encode(obj)
 
 
-# httpcore's pool scans every pooled connection on every request, and counts idle ones with a nested
-# scan (quadratic in the pool size), plus one readability syscall per idle connection: with 64
-# streams' derender calls on one pool that scan was a quarter of the coordinator's CPU. Connections
-# to a sidecar are therefore spread over lanes of at most this many, each its own small pool.
-LANE_CONNECTIONS = 8
-
-
 @dataclass(eq=False)
 class Sidecar:
     """One sidecar process: its connection lanes and what the picker needs to know of it."""
 
     url: str
     index: int
-    lanes: list[httpx.AsyncClient]
+    lanes: Lanes
     outstanding: int = 0       # calls in flight
     calls: int = 0             # calls sent (retries included)
     skip_until: float = 0.0    # monotonic; refused a connection, so no calls before this
-    _lane_load: list[int] = field(default_factory=list)
 
     @property
     def http(self) -> httpx.AsyncClient:
         """A connection pool for one-off calls (health, models)."""
-        return self.lanes[0]
-
-    @contextlib.contextmanager
-    def lane(self) -> Iterator[httpx.AsyncClient]:
-        """The lane with the fewest calls in flight, held for one call."""
-        if len(self._lane_load) != len(self.lanes):
-            self._lane_load = [0] * len(self.lanes)
-        i = min(range(len(self.lanes)), key=self._lane_load.__getitem__)
-        self._lane_load[i] += 1
-        try:
-            yield self.lanes[i]
-        finally:
-            self._lane_load[i] -= 1
+        return self.lanes.first
 
 
 class _Retryable(Exception):
@@ -110,20 +90,16 @@ class SidecarClient:
         """``transport`` replaces the network for every sidecar (tests); ``clock`` drives ``skip_s``."""
         self.settings = settings
         self._clock = clock
-        per_lane = min(LANE_CONNECTIONS, settings.max_connections)
-        limits = httpx.Limits(max_connections=per_lane, max_keepalive_connections=per_lane,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        lanes = -(-settings.max_connections // per_lane)
-        self.sidecars = [
-            Sidecar(url, i, [httpx.AsyncClient(base_url=url, transport=transport, limits=limits,
-                                               timeout=httpx.Timeout(settings.timeout_s))
-                             for _ in range(lanes)])
-            for i, url in enumerate(settings.endpoints)
-        ]
+        def client(url: str) -> Callable[[httpx.Limits], httpx.AsyncClient]:
+            return lambda limits: httpx.AsyncClient(base_url=url, transport=transport, limits=limits,
+                                                    timeout=httpx.Timeout(settings.timeout_s))
+
+        self.sidecars = [Sidecar(url, i, Lanes(settings.max_connections, client(url), KEEPALIVE_EXPIRY_S))
+                         for i, url in enumerate(settings.endpoints)]
         self._next = 0  # round-robin start among equally loaded sidecars
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(lane.aclose() for s in self.sidecars for lane in s.lanes))
+        await asyncio.gather(*(s.lanes.aclose() for s in self.sidecars))
 
     def pick(self, exclude: Sidecar | None = None) -> Sidecar | None:
         """The sidecar for the next call: fewest calls in flight among those not skipped, ties taken
@@ -172,7 +148,7 @@ class SidecarClient:
         sidecar.outstanding += 1
         sidecar.calls += 1
         try:
-            with sidecar.lane() as http:
+            with sidecar.lanes.lane() as http:
                 resp = await http.post(path, content=content, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # Nothing listens (process gone or restarting): skip it for a while.

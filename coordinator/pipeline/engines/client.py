@@ -24,6 +24,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from coordinator.pipeline.http_lanes import Lanes
 
 log = logging.getLogger(__name__)
 # msgspec: one decode per engine chunk is the hot path (several times faster than json.loads).
@@ -44,31 +45,34 @@ class EngineUnreachable(UpstreamUnavailable):
 
 
 class EngineClient:
-    def __init__(self, settings: EngineClientSettings, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, settings: EngineClientSettings) -> None:
         self.settings = settings
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections,
-                                max_keepalive_connections=settings.max_connections),
-        )
+        timeout = httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s)
+        # Small pools (see http_lanes): every open stream holds a connection, and one big pool would
+        # make opening each new stream scan all of them.
+        self._lanes = Lanes(settings.max_connections,
+                            lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits))
+        self._http = self._lanes.first
         self._aborts: set[asyncio.Task[None]] = set()
 
     @property
     def http(self) -> httpx.AsyncClient:
+        """A pool for probes and aborts."""
         return self._http
 
     async def aclose(self) -> None:
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
-        await self._http.aclose()
+        await self._lanes.aclose()
 
     async def generate(self, engine: Engine, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Non-streaming generate; the whole output in one JSON body."""
         payload = {**body, "stream": False, "stream_options": None}
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
-            resp = await self._http.post(f"{engine.url}/inference/v1/generate", json=payload,
-                                         headers={"X-Request-Id": request_id}, timeout=timeout)
+            with self._lanes.lane() as http:
+                resp = await http.post(f"{engine.url}/inference/v1/generate", json=payload,
+                                       headers={"X-Request-Id": request_id}, timeout=timeout)
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
@@ -91,10 +95,17 @@ class EngineClient:
                    "stream_options": {"include_usage": include_usage,
                                       "continuous_usage_stats": bool(
                                           (body.get("stream_options") or {}).get("continuous_usage_stats"))}}
-        req = self._http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
-                                       headers={"X-Request-Id": request_id})
+        with self._lanes.lane() as http:
+            async with self._open(http, engine, payload, request_id) as chunks:
+                yield chunks
+
+    @contextlib.asynccontextmanager
+    async def _open(self, http: httpx.AsyncClient, engine: Engine, payload: dict[str, Any],
+                    request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        req = http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
+                                 headers={"X-Request-Id": request_id})
         try:
-            resp = await self._http.send(req, stream=True)
+            resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:
             raise self._send_failed(engine, request_id, exc) from exc
         finished = False
