@@ -207,11 +207,11 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
         lp = body.get("logprobs")
         if lp is not None and not isinstance(lp, bool):
             raise BadRequest("'logprobs' must be a boolean for chat completions", param="logprobs")
-        if body.get("top_logprobs") is not None and not lp:
+        if (body.get("top_logprobs") or 0) > 0 and not lp:  # 0 asks for nothing: vLLM accepts it
             raise BadRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     elif body.get("logprobs") is not None:
         _num("logprobs", 0, 20, integer=True)(body["logprobs"])
-    if body.get("stream_options") is not None and not body.get("stream"):
+    if body.get("stream_options") and not body.get("stream"):  # an empty object sets nothing (as vLLM)
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     checked: dict[str, Any] = body
     return checked

@@ -169,3 +169,12 @@ def test_client_request_ids_are_kept_only_when_safe(header: str | None, kept: bo
     rid = client_request_id(header, 128)
     assert (rid == header) is kept
     assert len(rid) <= 128 and rid.isascii()
+
+
+def test_empty_stream_options_and_zero_top_logprobs_are_accepted_as_native_does() -> None:
+    validate_request("chat", {**CHAT, "stream_options": {}}, strict=True)
+    validate_request("chat", {**CHAT, "top_logprobs": 0}, strict=True)
+    with pytest.raises(BadRequest):
+        validate_request("chat", {**CHAT, "top_logprobs": 2}, strict=True)
+    with pytest.raises(BadRequest):
+        validate_request("chat", {**CHAT, "stream_options": {"include_usage": True}}, strict=True)
