@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -96,6 +96,7 @@ class CoordinatorProcess:
         self.port = free_port()
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="coord-")
 
     @property
@@ -110,10 +111,11 @@ class CoordinatorProcess:
         path = Path(self._dir.name) / "config.yaml"
         path.write_text(json.dumps(self.config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_")}
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self._log = open(self.log_path, "ab") if self.log_path else None  # closed in __exit__
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "--config", str(path), "--host", "127.0.0.1",
-             "--port", str(self.port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+             "--port", str(self.port)], env=env, stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -136,6 +138,8 @@ class CoordinatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
         self._dir.cleanup()
 
 
@@ -169,7 +173,7 @@ def sim_engines(configs: list[dict[str, Any]]) -> Iterator[tuple[list[str], int]
 
 
 @contextmanager
-def render_sidecars(n: int, say: Any, *, log_dir: Path | None = None,
+def render_sidecars(n: int, say: Callable[[str], None], *, log_dir: Path | None = None,
                     **kwargs: Any) -> Iterator[list[Any]]:
     """``n`` real vLLM render sidecars started together (start-up is mostly ``import vllm``); their
     logs go to ``log_dir/render-<i>.log`` when given."""
