@@ -50,6 +50,12 @@ def tree_cpu_s(pid: int | None) -> float | None:
     return total
 
 
+def own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process alone (its children, e.g. engines it spawned, excluded)."""
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
 def cpu_sum(pids: Sequence[int | None]) -> float | None:
     values = [tree_cpu_s(p) for p in pids]
     return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)

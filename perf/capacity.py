@@ -37,13 +37,13 @@ from perf._procs import (
     SERVED,
     CoordinatorProcess,
     cpu_sum,
+    own_cpu_s,
     render_config,
     render_sidecars,
     sidecar_calls,
     sidecar_pid,
     sim_engines,
     supports_render_pool,
-    tree_cpu_s,
 )
 from perf._report import Progress, final_json, write_report
 
@@ -130,14 +130,14 @@ def run_cell(label: str, render_urls: list[str], render_pids: list[int | None], 
         asyncio.run(wave_chat(coord.url, texts[:4], 8))   # warm-up: connections, first render
         calls0 = [sidecar_calls(u) for u in render_urls]
         me = os.getpid()   # the load generator: if it saturates, the cell measures the client
-        cpu0 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), tree_cpu_s(me))
+        cpu0 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), own_cpu_s(me))
         try:
             wall, streamed, frames = asyncio.run(wave_chat(coord.url, texts, tokens))
         except (RuntimeError, httpx.HTTPError) as exc:   # recorded; the other cells still run
             say(f"{label}: FAILED: {exc}")
             return {"label": label, "sidecars": len(render_urls), "coalesce": coalesce,
                     "error": str(exc)[:300], "streamed_tokens_per_s": 0.0}, []
-        cpu1 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), tree_cpu_s(me))
+        cpu1 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), own_cpu_s(me))
         calls1 = [sidecar_calls(u) for u in render_urls]
     total = len(texts) * tokens
     calls = None if None in calls0 + calls1 else sum(b - a for a, b in zip(calls0, calls1, strict=True)
