@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = ensure_model()
     out_dir = write_report(NAME, {}, "# Coordinator vs native vLLM\n\n(running)\n")
+    (out_dir / "coordinator.log").write_text("")   # this run's log only (health flaps are counted)
     runs: dict[str, list[dict[str, Any]]] = {}
     with ExitStack() as stack:
         say("starting render sidecar, tokens-only engine, native (--enable-scale-out) engine (real vLLM)")
