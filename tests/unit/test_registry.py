@@ -21,7 +21,7 @@ from coordinator.config import (
 )
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.discovery import DnsDiscovery, resolve_addresses
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.registry import PROBE_TIMEOUTS_UNHEALTHY, Engine, EngineRegistry
 from coordinator.pipeline.engines.telemetry import Telemetry, parse_metrics, scrape
 from token_engine.simulator import SimConfig, SimulatedEngine
 
@@ -37,6 +37,7 @@ class Fleet:
     def __init__(self) -> None:
         self.status: dict[str, int] = {}
         self.down: set[str] = set()
+        self.slow: set[str] = set()
         self.metrics: dict[str, str] = {}
         self.paths: list[str] = []
 
@@ -45,6 +46,8 @@ class Fleet:
         self.paths.append(request.url.path)
         if base in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if base in self.slow:
+            raise httpx.ReadTimeout("no answer in time", request=request)
         if request.url.path == "/health":
             return httpx.Response(self.status.get(base, 200))
         if request.url.path == "/metrics" and base in self.metrics:
@@ -149,6 +152,21 @@ async def test_probe_marks_unhealthy_and_back(make: Callable[..., EngineRegistry
     await reg.probe_once()
     assert urls(reg.candidates(MODEL)) == [A, B]
     assert sorted(events.take()) == [("state", A), ("state", B)]
+
+
+async def test_a_slow_probe_is_not_a_dead_engine(make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """A loaded engine may miss a probe's deadline; only a run of silent probes takes it out."""
+    reg = make(settings(EngineSettings(url=A)))
+    (a,) = reg.engines
+    fleet.slow.add(A)
+    for _ in range(PROBE_TIMEOUTS_UNHEALTHY - 1):
+        await reg.probe_once()
+        assert a.state == "healthy"
+    await reg.probe_once()
+    assert a.state == "unhealthy"
+    fleet.slow.clear()
+    await reg.probe_once()
+    assert a.state == "healthy" and a.probe_timeouts == 0
 
 
 async def test_mark_failed_holds_until_next_good_probe(make: Callable[..., EngineRegistry]) -> None:

@@ -37,6 +37,7 @@ Listener = Callable[[str, "Engine"], None]
 _STATES: tuple[EngineState, ...] = ("healthy", "unhealthy", "draining")
 _BREAKER_VALUE: dict[BreakerState, int] = {"closed": 0, "half_open": 1, "open": 2}
 _PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUTS_UNHEALTHY = 3  # consecutive timed-out probes before an engine counts as unhealthy
 
 
 @dataclass(eq=False)
@@ -56,6 +57,7 @@ class Engine:
     drain_requested: bool = False    # config ``drain: true`` or ``drain(url)``
     removed: bool = False            # gone from config/discovery: dropped once idle
     probe_ok: bool | None = None     # last health verdict; None = not probed yet (counts as healthy)
+    probe_timeouts: int = 0          # consecutive probes that got no answer in time
 
     def serves(self, model: str) -> bool:
         return self.model is None or self.model == model
@@ -371,6 +373,13 @@ class EngineRegistry:
             try:
                 resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
                 engine.probe_ok = resp.status_code == 200
+                engine.probe_timeouts = 0
+            except httpx.TimeoutException:
+                # A busy engine (or a busy coordinator host) answers late; only a run of silent probes
+                # means it is gone. Refused connections and bad answers count at once.
+                engine.probe_timeouts += 1
+                if engine.probe_timeouts >= PROBE_TIMEOUTS_UNHEALTHY:
+                    engine.probe_ok = False
             except httpx.HTTPError:
                 engine.probe_ok = False
 
