@@ -53,7 +53,6 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,8 @@ from coordinator.config import (
     Settings,
 )
 from coordinator.embedded import EmbeddedCoordinator, free_port
+from perf._procs import sim_engines
 from perf._report import Progress, final_json, pct, write_report
-from token_engine.simulator import SimConfig, SimulatedEngine
 
 NAME = "overload"
 SERVED = "smollm2-135m-instruct"
@@ -232,33 +231,6 @@ def load_open(url: str, shape: Shape, args: argparse.Namespace, rate: float, dur
     return asyncio.run(run())
 
 
-def _serve_engines(configs: list[dict[str, Any]], conn: Connection) -> None:
-    """Child process: run the simulated engines until the parent says stop."""
-    engines = [SimulatedEngine(SimConfig(**c)).start() for c in configs]
-    conn.send([e.url for e in engines])
-    conn.recv()
-    for e in engines:
-        e.stop()
-
-
-@contextmanager
-def engine_process(configs: list[dict[str, Any]]) -> Iterator[list[str]]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve_engines, args=(configs, child), name="sim-engines", daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("simulated engines did not start")
-        urls: list[str] = parent.recv()
-        yield urls
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.terminate()
-
-
 # ----------------------------------------------------------------------------------- coordinator
 def coordinator_settings(render_url: str, engines: list[str], *, budget: int, max_queue: int,
                          queue_timeout_s: float) -> Settings:
@@ -399,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         sim = {"model": SERVED, "mode": "random", "ttft_s": shape.ttft_s,
                "decode_s_per_token": shape.decode_s, "max_concurrency": shape.concurrency,
                "stream_interval": shape.max_tokens}
-        engines = stack.enter_context(engine_process([{**sim, "seed": i} for i in range(shape.engines)]))
+        engines, _ = stack.enter_context(sim_engines([{**sim, "seed": i} for i in range(shape.engines)]))
         pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")))
         budget = shape.concurrency * shape.cost_tokens
         nominal = shape.slots / shape.service_s
