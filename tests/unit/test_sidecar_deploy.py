@@ -20,14 +20,14 @@ def settings_of(data: dict[str, Any]) -> Settings:
     return Settings(**data)
 
 
-def test_local_stack_starts_one_sidecar_per_listed_url_on_consecutive_ports() -> None:
-    path = DEPLOY / "local" / "coordinator.yaml"
-    plan = load_plan(path)
-    urls = settings_of(yaml.safe_load(path.read_text())).render.endpoints
-    assert len(urls) >= 2
-    assert [f"http://{h}:{p}" for h, p in plan.renders] == urls
-    ports = [p for _, p in plan.renders]
-    assert ports == list(range(ports[0], ports[0] + len(ports)))
+def test_local_stack_starts_one_sidecar_per_listed_url(tmp_path: Path) -> None:
+    shipped = DEPLOY / "local" / "coordinator.yaml"
+    urls = settings_of(yaml.safe_load(shipped.read_text())).render.endpoints
+    assert [f"http://{h}:{p}" for h, p in load_plan(shipped).renders] == urls
+    path = tmp_path / "c.yaml"
+    path.write_text("render: {urls: ['http://127.0.0.1:9100', 'http://127.0.0.1:9101', 'http://127.0.0.1:9102']}\n"
+                    "engines: [{url: 'http://127.0.0.1:9200'}]\n")
+    assert [p for _, p in load_plan(path).renders] == [9100, 9101, 9102]
 
 
 def test_local_stack_with_a_single_url_starts_one_sidecar(tmp_path: Path) -> None:
