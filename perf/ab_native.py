@@ -33,7 +33,7 @@ from typing import Any
 
 from coordinator.embedded import free_port
 from perf._procs import SERVED, CoordinatorProcess, cpu_sum, render_config, render_sidecars, sidecar_pid
-from perf._report import Progress, final_json, write_report
+from perf._report import Progress, final_json, save_figure, write_report
 
 NAME = "ab_native"
 TARGETS = {"ttft_p50_ratio": 1.10, "itl_p50_ratio": 1.05, "throughput_ratio": 0.95}
@@ -252,9 +252,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("coordinator / native")
     ax.set_title("coordinator vs native vLLM (vllm bench serve)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from perf._procs import (
     sim_engines,
     supports_render_pool,
 )
-from perf._report import Progress, final_json, write_report
+from perf._report import Progress, final_json, save_figure, write_report
 
 NAME = "capacity"
 TARGET_TOKENS_PER_S = 3000.0
@@ -325,9 +325,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     b.set_ylabel("CPU seconds per 1,000 streamed tokens")
     b.set_title("CPU cost per token")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

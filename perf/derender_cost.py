@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from perf._procs import SERVED, cpu_sum, render_sidecars, sidecar_pid
-from perf._report import Progress, final_json, pct, write_report
+from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "derender_cost"
 MAX_MODEL_LEN = 8192   # SmolLM2-135M-Instruct: max_position_embeddings 8192
@@ -226,9 +226,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per one-token derender call (p50)")
     ax.set_title("streaming derender cost vs output position")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from coordinator.embedded import EmbeddedCoordinator, free_port
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.scheduling.pickers import MaxScorePicker
 from coordinator.pipeline.scheduling.scorers import ScoringInput
-from perf._report import Progress, final_json, summary_ms, write_report
+from perf._report import Progress, final_json, save_figure, summary_ms, write_report
 from token_engine.simulator import PrefixCache, SimConfig, SimulatedEngine
 from token_engine.simulator.prefix_cache import block_hashes as sim_block_hashes
 
@@ -552,9 +552,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     c.set_ylabel("requests")
     c.set_title("requests per engine")
     c.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # --- main ----------------------------------------------------------------------------------------

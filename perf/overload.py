@@ -68,7 +68,7 @@ from coordinator.config import (
 )
 from coordinator.embedded import EmbeddedCoordinator, free_port
 from perf._procs import sim_engines
-from perf._report import Progress, final_json, pct, write_report
+from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "overload"
 SERVED = "smollm2-135m-instruct"
@@ -571,9 +571,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     right.set_ylabel("TTFT of admitted requests (ms)")
     right.set_title("time to first token")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

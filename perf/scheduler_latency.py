@@ -43,7 +43,7 @@ from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_s
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
-from perf._report import Progress, final_json, pct, write_report
+from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "scheduler_latency"
 MODEL = "smollm2-135m-instruct"
@@ -354,9 +354,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     right.set_ylabel("p50 ms per decision (log)")
     right.set_title("decision time vs prompt length")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

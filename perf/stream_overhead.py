@@ -20,7 +20,7 @@ import httpx
 
 from coordinator.config import EngineSettings, ModelSettings, RenderSettings, Settings
 from coordinator.embedded import EmbeddedCoordinator, free_port
-from perf._report import Progress, final_json, summary_ms, write_report
+from perf._report import Progress, final_json, save_figure, summary_ms, write_report
 from render_sidecar.launch import RenderSidecar
 from token_engine.model_prep import ensure_model
 from token_engine.simulator import SimConfig, SimulatedEngine
@@ -150,8 +150,7 @@ def _plot(f: dict[str, Any], path: Any) -> None:
         ax.set_ylabel("ms (p50)")
         ax.set_title("time to first token" if metric == "ttft" else "end-to-end latency")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
