@@ -13,17 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from coordinator.pipeline.errors import BadRequest, PipelineError
-
-
-class BodyTooLarge(PipelineError):
-    status = 413
-    type = "RequestTooLarge"
-
-
-class BodyTimeout(PipelineError):
-    status = 408
-    type = "RequestTimeout"
+from coordinator.pipeline.errors import BadRequest, RequestTimeout, RequestTooLarge
 
 
 async def read_json_body(chunks: AsyncIterator[bytes], *, max_bytes: int, max_depth: int,
@@ -34,9 +24,9 @@ async def read_json_body(chunks: AsyncIterator[bytes], *, max_bytes: int, max_de
             async for part in chunks:
                 raw += part
                 if len(raw) > max_bytes:
-                    raise BodyTooLarge(f"Request body larger than {max_bytes} bytes")
+                    raise RequestTooLarge(f"Request body larger than {max_bytes} bytes")
     except TimeoutError:
-        raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s") from None
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s") from None
     return parse_json(bytes(raw), max_depth=max_depth)
 
 

@@ -11,6 +11,7 @@ is closed. Bodies have their own deadline in ``api/body.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import uvicorn
@@ -18,11 +19,13 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator.config import Settings
+from coordinator.pipeline.errors import RequestTimeout
 
-_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-_BODY = (b'{"error":{"message":"Request headers were not received in time","type":"RequestTimeout",'
-         b'"param":null,"code":408}}')
+_BODY = json.dumps(RequestTimeout("Request headers were not received in time").body(),
+                   separators=(",", ":")).encode()
+# Written straight to the transport: no request exists yet for the application to answer.
+_REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
 
 
 def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = AutoHTTPProtocol
@@ -62,7 +65,7 @@ def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = Aut
             self._header_timer = None
             if self.transport.is_closing() or not (self.cycle is None or self.cycle.response_complete):
                 return
-            self.transport.write(_REQUEST_TIMEOUT % (len(_BODY), _BODY))
+            self.transport.write(_REQUEST_TIMEOUT)
             self.transport.close()
 
     return HeaderDeadlineProtocol

@@ -118,6 +118,25 @@ def _feature_param(hint: str) -> str | None:
     return None
 
 
+class RequestTooLarge(PipelineError):
+    status = 413
+    type = "RequestTooLarge"
+
+
+class RequestTimeout(PipelineError):
+    """The client did not deliver its request (headers or body) in time."""
+
+    status = 408
+    type = "RequestTimeout"
+
+
+class VocabularyUnknown(PipelineError):
+    """Token ids cannot be checked (the model's vocabulary size is not known): fail closed."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
 class NoHealthyEngine(PipelineError):
     status = 503
     type = "ServiceUnavailableError"
@@ -155,3 +174,11 @@ class UpstreamUnavailable(PipelineError):
 class UpstreamTimeout(PipelineError):
     status = 504
     type = "GatewayTimeoutError"
+
+
+def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first real error inside a task group's exception group (what the client should see)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -28,7 +28,7 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
-from coordinator.pipeline.errors import BadRequest
+from coordinator.pipeline.errors import BadRequest, first_leaf
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.token_ids import check_client_ids
 from coordinator.pipeline.topology.dispatcher import Dispatcher
@@ -103,7 +103,7 @@ class Pipeline:
                 tasks = [tg.create_task(self._collect(ctx, p) if p.stop.active
                                         else self._dispatch.generate(ctx, p)) for p in ctx.prompts]
         except BaseExceptionGroup as group:
-            raise _first_leaf(group) from None
+            raise first_leaf(group) from None
         responses = [t.result() for t in tasks]
         counted = sum(len(c.get("token_ids") or []) for r in responses for c in r["choices"])
         blank: set[int] = set()  # global indexes whose only token was the hidden stop token
@@ -188,12 +188,6 @@ def _priority(body: dict[str, Any], header: str | None) -> int:
     except ValueError:
         raise BadRequest(f"The priority header must be an integer, got {header!r}") from None
 
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 class StreamSession:

@@ -17,19 +17,14 @@ rendered ids are still held to the int32 range the engine's tensors use.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
-from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.errors import BadRequest, VocabularyUnknown
 
 INT32_LIMIT = 2**31  # engine tensors hold ids as int32: the last line when the vocabulary is unknown
 
 # Sampling fields that carry token ids, as the client names them (and as render passes them on).
 ID_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids")
-
-
-class VocabularyUnknown(PipelineError):
-    status = 503
-    type = "ServiceUnavailableError"
 
 
 def check_client_ids(body: dict[str, Any], vocab_size: int | None, *, completion: bool) -> None:
@@ -60,14 +55,14 @@ def check_rendered(generate: dict[str, Any], vocab_size: int | None, *, prompt_f
     """What render produced for the engine: prompt ids and every id-carrying sampling field."""
     limit = vocab_size if vocab_size is not None else INT32_LIMIT
     ids = generate.get("token_ids")
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+    if not is_id_list(ids):
         raise BadRequest("The rendered prompt is not a list of token ids", param=prompt_field)
     _check(prompt_field, ids, limit)
     sp = generate.get("sampling_params") or {}
     for name in ID_LIST_FIELDS:
         value = sp.get(name)
         if value is not None:
-            if not isinstance(value, list) or not all(type(t) is int for t in value):
+            if not is_id_list(value):
                 raise BadRequest(f"'{name}' must be a list of token ids", param=name)
             _check(name, value, limit)
     bias = sp.get("logit_bias")
@@ -75,6 +70,11 @@ def check_rendered(generate: dict[str, Any], vocab_size: int | None, *, prompt_f
         if not isinstance(bias, dict):
             raise BadRequest("'logit_bias' must map token ids to numbers", param="logit_bias")
         _check("logit_bias", bias_keys(bias), limit)
+
+
+def is_id_list(value: Any) -> TypeGuard[list[int]]:
+    """A JSON list of integers (booleans and floats are not token ids)."""
+    return isinstance(value, list) and all(type(t) is int for t in value)
 
 
 def bias_keys(bias: dict[Any, Any]) -> list[int]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from coordinator.pipeline.errors import BadRequest
-from coordinator.pipeline.token_ids import bias_keys
+from coordinator.pipeline.token_ids import bias_keys, is_id_list
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _stream_options(v: Any) -> None:
 
 def _id_list(name: str) -> Callable[[Any], None]:
     def check(v: Any) -> None:
-        if not isinstance(v, list) or not all(type(t) is int for t in v):
+        if not is_id_list(v):
             raise BadRequest(f"'{name}' must be a list of token ids (integers)", param=name)
     return check
 

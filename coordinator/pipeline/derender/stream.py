@@ -47,6 +47,7 @@ from coordinator.pipeline.derender.fixups import (
 )
 from coordinator.pipeline.derender.shape import role_chunk, shape_stream_chunk
 from coordinator.pipeline.derender.stop import StopMatcher
+from coordinator.pipeline.errors import first_leaf
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -128,7 +129,7 @@ class PromptStream:
                     for i in range(self.plan.n):
                         tg.create_task(self._drain(i, buffers, emit))
             except BaseExceptionGroup as group:
-                raise _first_leaf(group) from None
+                raise first_leaf(group) from None
             if not any(c.stopped_early for c in self.choices.values()):
                 await reader  # every choice finished: let it read the engine's [DONE] (no abort needed)
                 if buffers.error is not None:
@@ -207,9 +208,9 @@ class PromptStream:
         stop_hit: str | None = None
         if out_choice is not None and self.plan.stop.active:
             text = _text_of(self.ctx, out_choice)
-            before = replace(st.matcher)
+            before = replace(st.matcher) if replayable else None
             res = st.matcher.feed(text or "", len(new_ids))
-            if res.stop is not None and replayable:
+            if res.stop is not None and before is not None:
                 st.matcher = before
                 return False
             released = res.text
@@ -367,12 +368,6 @@ def split_tokens(group: list[Entry]) -> list[Entry]:
             pieces.append(({**chunk, "choices": [piece]}, piece))
     return pieces
 
-
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _text_of(ctx: RequestContext, choice: dict[str, Any]) -> str | None:

@@ -52,13 +52,12 @@ class EngineClient:
         # make opening each new stream scan all of them.
         self._lanes = Lanes(settings.max_connections,
                             lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits))
-        self._http = self._lanes.first
         self._aborts: set[asyncio.Task[None]] = set()
 
     @property
     def http(self) -> httpx.AsyncClient:
         """A pool for probes and aborts."""
-        return self._http
+        return self._lanes.first
 
     async def aclose(self) -> None:
         if self._aborts:
@@ -161,7 +160,7 @@ class EngineClient:
 
     async def abort(self, engine: Engine, request_id: str) -> None:
         try:
-            await self._http.post(f"{engine.url}/inference/v1/abort_requests",
+            await self.http.post(f"{engine.url}/inference/v1/abort_requests",
                                   json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0)
         except httpx.HTTPError as exc:
             log.warning("abort of %s on %s failed: %s", request_id, engine.url, exc.__class__.__name__)

@@ -359,29 +359,34 @@ class EngineRegistry:
     async def is_gone(self, engine: Engine) -> bool:
         """After a failed call: is the engine process dead (not answering, or unhealthy)? It is then
         taken out of rotation at once instead of at the next probe round."""
-        try:
-            resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
-            gone = resp.status_code != 200
-        except httpx.HTTPError:
-            gone = True
+        gone = await self._health(engine) is not True
         if gone:
             self.mark_failed(engine)
         return gone
 
+    async def _health(self, engine: Engine) -> bool | None:
+        """``GET /health``: True (200), False (another status, or no connection), None (no answer in
+        time: a busy engine, not necessarily a dead one)."""
+        try:
+            resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
+        except httpx.TimeoutException:
+            return None
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
     async def _probe(self, engine: Engine) -> None:
         async def health() -> None:
-            try:
-                resp = await self._http.get(f"{engine.url}/health", timeout=_PROBE_TIMEOUT_S)
-                engine.probe_ok = resp.status_code == 200
-                engine.probe_timeouts = 0
-            except httpx.TimeoutException:
+            ok = await self._health(engine)
+            if ok is None:
                 # A busy engine (or a busy coordinator host) answers late; only a run of silent probes
                 # means it is gone. Refused connections and bad answers count at once.
                 engine.probe_timeouts += 1
                 if engine.probe_timeouts >= PROBE_TIMEOUTS_UNHEALTHY:
                     engine.probe_ok = False
-            except httpx.HTTPError:
-                engine.probe_ok = False
+            else:
+                engine.probe_ok = ok
+                engine.probe_timeouts = 0
 
         async def telemetry() -> None:
             found = await scrape(self._http, engine.url, _PROBE_TIMEOUT_S)
