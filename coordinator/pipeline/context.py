@@ -9,6 +9,8 @@ from typing import Any, Literal
 from coordinator.pipeline.derender.stop import StopSpec
 
 Kind = Literal["chat", "completion"]
+Route = Literal["tokens", "native"]  # token-only engines via render/derender, or an engine's OpenAI API
+TokenizerSource = Literal["render", "local"]
 
 
 @dataclass
@@ -45,6 +47,9 @@ class RequestContext:
     prompts: list[PromptPlan] = field(default_factory=list)
     derender_request: dict[str, Any] = field(default_factory=dict)  # see derender.client.request_view
     encoded: dict[str, Any] = field(default_factory=dict)  # JSON fragments encoded once per request
+    route: Route = "tokens"
+    tokenizer_source: TokenizerSource = "render"  # "local": render was unavailable (render fallback)
+    visible: bool = False             # a chunk was handed to the client writer (no whole-request retry)
 
     @property
     def response_id(self) -> str:

@@ -65,6 +65,16 @@ class Pipeline:
         """Engine tokens held by open streams, waiting for derender or for their client."""
         return sum(s.buffered_tokens for s in list(self._sessions))
 
+    @property
+    def open_sessions(self) -> int:
+        """Streaming sessions not closed yet (each owns engine streams and producer tasks)."""
+        return sum(1 for s in list(self._sessions) if not s.closed)
+
+    @property
+    def producer_tasks(self) -> int:
+        """Producer tasks still running (each reads one engine stream for an open session)."""
+        return sum(s.running_tasks for s in list(self._sessions))
+
     # -- lifecycle -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def track(self) -> AsyncIterator[None]:
@@ -245,6 +255,14 @@ class StreamSession:
     @property
     def buffered_tokens(self) -> int:
         return sum(ps.buffered_tokens for ps, _ in self._streams)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def running_tasks(self) -> int:
+        return sum(1 for t in self._tasks if not t.done())
 
     def usage_chunk(self) -> dict[str, Any]:
         prompt = sum(p.prompt_tokens for p in self.ctx.prompts)
