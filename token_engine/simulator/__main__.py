@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument(
         "--prefill-us-per-token", type=float, default=None, help="microseconds per uncached prompt token"
     )
-    p.add_argument("--mode", choices=["echo", "random", "script"], default=None)
+    p.add_argument("--mode", choices=["echo", "random", "script", "context"], default=None)
     p.add_argument(
         "--script", type=_int_list, default=None, help="comma-separated token ids for --mode script"
     )

@@ -10,13 +10,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-OutputMode = Literal["echo", "script", "random"]
+OutputMode = Literal["echo", "script", "random", "context"]
 KvRole = Literal["prefill", "decode", "both"]
 StreamOrder = Literal["sequential", "interleaved"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 # SmolLM2's added special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, ...) are ids 0..16.
 _SMOLLM2_SPECIAL_IDS = list(range(17))
+# The first 64 SmolLM2 ids that decode to " <lowercase word>" (" the", " and", " for", ...): "context" mode
+# draws from them, so derendered output reads as words and never splits a UTF-8 character.
+_SMOLLM2_WORD_IDS = [
+    260, 284, 327, 338, 345, 346, 348, 351, 359, 379, 416, 429, 436, 441, 451, 457,
+    458, 464, 469, 480, 495, 498, 499, 502, 503, 510, 511, 521, 523, 527, 540, 550,
+    553, 555, 563, 564, 566, 567, 578, 582, 592, 597, 599, 600, 601, 606, 617, 618,
+    622, 623, 624, 633, 634, 635, 638, 639, 641, 645, 650, 653, 654, 655, 656, 664,
+]
 
 
 class SimConfig(BaseModel):
@@ -57,6 +65,11 @@ class SimConfig(BaseModel):
     echo_fallback_token_id: int = 30
     echo_max_cycles: int | None = None
     """When set, echo emits EOS after repeating the source this many times."""
+    context_tokens: list[int] = Field(default_factory=lambda: list(_SMOLLM2_WORD_IDS), min_length=1)
+    """Ids mode "context" picks from (by a rolling hash of the whole context)."""
+    context_eos_after: int | None = Field(default=None, ge=1)
+    """Mode "context": emit EOS once the context's tail after its last special id (`echo_skip_ids`) holds
+    this many tokens; for a chat prompt that tail is `assistant\n` plus the output so far."""
     random_lo: int = 17
     random_hi: int = 49152
     random_eos_prob: float = Field(default=0.0, ge=0.0, le=1.0)

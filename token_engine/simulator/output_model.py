@@ -2,9 +2,11 @@
 
 Why deterministic: tests and benchmarks must be able to predict every token. A choice's tokens are a pure
 function of (prompt token ids, seed, choice index, temperature, configured mode), never of timing or of
-other requests. `banned` carries the ids vLLM's min_tokens logits processor masks (EOS and stop token ids
-before `min_tokens` tokens exist): the sampler then yields its next candidate instead, as a real model
-falls back to its next most likely token.
+other requests. Mode "context" goes further, like a greedy real model: each token depends only on the
+whole context before it, so a request whose prompt is `prompt + first k outputs` continues exactly where
+the original would have (what a mid-stream relay relies on). `banned` carries the ids vLLM's min_tokens
+logits processor masks (EOS and stop token ids before `min_tokens` tokens exist): the sampler then yields
+its next candidate instead, as a real model falls back to its next most likely token.
 """
 
 from __future__ import annotations
@@ -92,6 +94,77 @@ class _RandomSource:
         return next(t for t in range(self._lo, self._hi) if t not in banned)
 
 
+_MASK64 = (1 << 64) - 1
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+def _fold(state: int, token: int) -> int:
+    """One FNV-1a step over a whole token id: the rolling hash of a context extended by `token`."""
+    return ((state ^ (token & _MASK64)) * _FNV_PRIME) & _MASK64
+
+
+def _scramble(x: int) -> int:
+    """splitmix64's finaliser: spreads neighbouring hash states over the whole 64-bit range."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class _ContextSource:
+    """Each token is a function of the context before it (prompt + tokens emitted so far) and the salt.
+
+    The state is a rolling hash of the context plus the length of its tail after the last special id, both
+    updated per emitted token exactly as they are folded over a prompt, so starting from `prompt + out[:k]`
+    reaches the same state as emitting `out[:k]` after `prompt`.
+    """
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        *,
+        tokens: Sequence[int],
+        special: frozenset[int],
+        salt: int,
+        eos_token_id: int | None,
+        eos_after: int | None,
+    ) -> None:
+        self._tokens = list(tokens)
+        self._special = special
+        self._salt = salt
+        self._eos = eos_token_id
+        self._eos_after = eos_after
+        self._hash = _FNV_OFFSET
+        self._tail = 0
+        for tok in prompt:
+            self._push(tok)
+
+    def _push(self, tok: int) -> None:
+        self._hash = _fold(self._hash, tok)
+        self._tail = 0 if tok in self._special else self._tail + 1
+
+    def next_token(self, banned: frozenset[int]) -> int:
+        tok = self._pick(banned)
+        self._push(tok)
+        return tok
+
+    def _pick(self, banned: frozenset[int]) -> int:
+        if (
+            self._eos is not None
+            and self._eos_after is not None
+            and self._tail >= self._eos_after
+            and self._eos not in banned
+        ):
+            return self._eos
+        start = _scramble(self._hash ^ self._salt) % len(self._tokens)
+        for j in range(len(self._tokens)):  # a banned pick falls back to the next candidate
+            tok = self._tokens[(start + j) % len(self._tokens)]
+            if tok not in banned:
+                return tok
+        return self._tokens[start]
+
+
 def echo_source_tokens(prompt: Sequence[int], config: SimConfig) -> list[int]:
     """What echo mode repeats: the prompt minus its trailing generation prompt and minus special tokens.
 
@@ -132,6 +205,16 @@ def make_source(
     if config.mode == "echo":
         src = echo_source_tokens(prompt, config)
         return _CycleSource(src, shift, eos, config.echo_max_cycles, config.echo_fallback_token_id)
+    if config.mode == "context":
+        salt = _mix(config.seed, None if greedy else seed, 0 if greedy else index)
+        return _ContextSource(
+            prompt,
+            tokens=config.context_tokens,
+            special=frozenset(config.echo_skip_ids),
+            salt=salt,
+            eos_token_id=eos,
+            eos_after=config.context_eos_after,
+        )
     rng_seed = _mix(config.seed, tuple(prompt), None if greedy else seed, 0 if greedy else index)
     return _RandomSource(rng_seed, config.random_lo, config.random_hi, eos, config.random_eos_prob)
 
