@@ -176,6 +176,39 @@ class UpstreamTimeout(PipelineError):
     type = "GatewayTimeoutError"
 
 
+class ResponseStageError(PipelineError):
+    """Derender (the response stage) failed after inference ran.
+
+    Deliberately not an ``Upstream*`` error: no engine retry, relay or breaker rule matches it, so a
+    derender failure never re-runs prefill or decode and never counts against an engine: the engine
+    did its part. Used as is when the sidecar has no derender route (bare 404/405/501): a deployment
+    fault, so it has its own ``type``."""
+
+    status = 502
+    type = "ResponseStageError"
+
+
+class DerenderRejected(ResponseStageError):
+    """The sidecar refused a derender call (400/422, e.g. an invalid ``stream_state``): its status and
+    detail, in the client's terms as for any sidecar 4xx."""
+
+    def __init__(self, status: int, body: dict[str, Any] | None, fallback: str) -> None:
+        parsed = UpstreamClientError(status, body, fallback)
+        super().__init__(parsed.message, param=parsed.param, status=status, type=parsed.type)
+        self.hint = parsed.hint
+
+
+class DerenderUnavailable(ResponseStageError):
+    """The sidecar could not be reached for derender, failed (5xx) or answered a malformed body."""
+
+    type = "BadGatewayError"
+
+
+class DerenderTimeout(ResponseStageError):
+    status = 504
+    type = "GatewayTimeoutError"
+
+
 def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first real error inside a task group's exception group (what the client should see)."""
     exc: BaseException = group

@@ -11,7 +11,9 @@ no calls for ``render.skip_s`` (docs/decisions.md, "Render sidecar pool").
 JSON goes through msgspec both ways (several times faster than the stdlib on the per-chunk path).
 Parts of a body that do not change between calls can be encoded once and passed as ``msgspec.Raw``
 values (see ``post``), or a whole body as bytes (``post_raw``). Failures are mapped to pipeline
-errors here so render and derender callers only see typed errors.
+errors here so render and derender callers only see typed errors: ``Upstream*`` for render (what the
+render fallback reacts to), ``ResponseStageError`` and its subclasses for derender, which no engine
+retry, relay or breaker rule matches (docs/decisions.md, "Derender failures").
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ import msgspec
 
 from coordinator.config import RenderSettings
 from coordinator.pipeline.errors import (
+    DerenderRejected,
+    DerenderTimeout,
+    DerenderUnavailable,
     PipelineError,
+    ResponseStageError,
     UpstreamClientError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -72,6 +78,30 @@ class Sidecar:
     def http(self) -> httpx.AsyncClient:
         """A connection pool for one-off calls (health, models)."""
         return self.lanes.first
+
+
+@dataclass(frozen=True)
+class StageErrors:
+    """The error types one stage's failures become: unreachable/5xx/malformed body, timeout, a 4xx
+    for the request, a missing route (bare 404/405, and 501 where listed in ``unsupported_statuses``)."""
+
+    unavailable: Callable[[str], PipelineError]
+    timeout: Callable[[str], PipelineError]
+    rejected: Callable[[int, Any, str], PipelineError]
+    unsupported: Callable[[str], PipelineError]
+    unsupported_statuses: frozenset[int]
+
+
+STAGE_ERRORS: dict[str, StageErrors] = {
+    "render": StageErrors(UpstreamUnavailable, UpstreamTimeout, UpstreamClientError, UpstreamUnavailable,
+                          frozenset({404, 405})),
+    "derender": StageErrors(DerenderUnavailable, DerenderTimeout, DerenderRejected, ResponseStageError,
+                            frozenset({404, 405, 501})),
+}
+
+
+def stage_errors(stage: str) -> StageErrors:
+    return STAGE_ERRORS.get(stage, STAGE_ERRORS["render"])
 
 
 class _Retryable(Exception):
@@ -145,6 +175,7 @@ class SidecarClient:
 
     async def _send(self, sidecar: Sidecar, path: str, content: bytes, headers: dict[str, str],
                     stage: str) -> Any:
+        errors = stage_errors(stage)
         sidecar.outstanding += 1
         sidecar.calls += 1
         try:
@@ -153,34 +184,38 @@ class SidecarClient:
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # Nothing listens (process gone or restarting): skip it for a while.
             sidecar.skip_until = self._clock() + self.settings.skip_s
-            raise _Retryable(UpstreamUnavailable(
+            raise _Retryable(errors.unavailable(
                 f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
         except httpx.TimeoutException as exc:
             # A slow sidecar is an overloaded one: a second attempt would only add load and latency.
-            raise UpstreamTimeout(f"{stage} sidecar timed out after {self.settings.timeout_s}s") from exc
+            raise errors.timeout(f"{stage} sidecar timed out after {self.settings.timeout_s}s") from exc
         except httpx.TransportError as exc:
             # Connection broke under the call (sidecar died, or closed an idle keep-alive connection).
-            raise _Retryable(UpstreamUnavailable(
+            raise _Retryable(errors.unavailable(
                 f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
         except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{stage} sidecar unreachable: {exc.__class__.__name__}") from exc
+            raise errors.unavailable(f"{stage} sidecar unreachable: {exc.__class__.__name__}") from exc
         finally:
             sidecar.outstanding -= 1
         sidecar.skip_until = 0.0
         if resp.status_code >= 400:
             data = _json_or_none(resp.content)
-            if 400 <= resp.status_code < 500 and (resp.status_code not in (404, 405) or _is_model_404(data)):
-                raise UpstreamClientError(resp.status_code, data, f"{stage} rejected the request")
-            log.warning("%s sidecar %s answered %s on %s: %s", stage, sidecar.url, resp.status_code, path,
+            status = resp.status_code
+            if status in errors.unsupported_statuses and (status == 501 or not _is_model_404(data)):
+                # The route is missing (an older or differently built sidecar): every sidecar of the
+                # pool runs the same build, so asking another one would not help.
+                log.error("%s sidecar %s answered %s on %s: %s is not available there", stage,
+                          sidecar.url, status, path, stage)
+                raise errors.unsupported(f"{stage} is not available on the render sidecar (HTTP {status})")
+            if 400 <= status < 500:
+                raise errors.rejected(status, data, f"{stage} rejected the request")
+            log.warning("%s sidecar %s answered %s on %s: %s", stage, sidecar.url, status, path,
                         resp.text[:300])
-            error = UpstreamUnavailable(f"{stage} sidecar failed with HTTP {resp.status_code}")
-            if resp.status_code >= 500:
-                raise _Retryable(error)
-            raise error
+            raise _Retryable(errors.unavailable(f"{stage} sidecar failed with HTTP {status}"))
         try:
             return _decode(resp.content)
         except msgspec.DecodeError as exc:
-            raise UpstreamUnavailable(f"{stage} sidecar returned invalid JSON") from exc
+            raise errors.unavailable(f"{stage} sidecar returned invalid JSON") from exc
 
     async def models(self) -> list[dict[str, Any]]:
         """The model cards of the first sidecar that answers (all serve the same model)."""

@@ -1,4 +1,8 @@
-"""Calls to vLLM's stateless derender (batch and one-call-per-chunk streaming)."""
+"""Calls to vLLM's stateless derender (batch and one-call-per-chunk streaming).
+
+Every failure here is a ``ResponseStageError`` (see ``sidecar.STAGE_ERRORS``): inference already ran,
+so nothing above may retry the engine work or blame an engine for it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 import msgspec
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.errors import UpstreamUnavailable
+from coordinator.pipeline.errors import DerenderUnavailable
 from coordinator.pipeline.sidecar import SidecarClient, encode
 
 # Plain (parser-free) streaming derender only needs a prompt *suffix* to seed detokenisation
@@ -65,7 +69,7 @@ class Derenderer:
             path = "/v1/completions/derender"
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
-            raise UpstreamUnavailable("derender returned an unexpected body")
+            raise DerenderUnavailable("derender returned an unexpected body")
         return out["chunk"], out.get("stream_state")
 
     async def batch(self, ctx: RequestContext, responses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,5 +89,5 @@ class Derenderer:
             path = "/v1/completions/derender"
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
-            raise UpstreamUnavailable("derender returned an unexpected body")
+            raise DerenderUnavailable("derender returned an unexpected body")
         return out
