@@ -116,6 +116,11 @@ class EngineSettings(BaseModel):
         "missed batches are fetched from it",
     )
     drain: bool = Field(default=False, description="take no new requests; in-flight ones finish")
+    native_api: bool = Field(
+        default=False, description="the engine also serves the OpenAI API (`vllm serve "
+        "--enable-scale-out`): it may take requests through /v1/chat/completions and /v1/completions "
+        "when render is unavailable or the token-only route is missing (the native route)",
+    )
 
 
 class DiscoverySettings(BaseModel):
@@ -229,6 +234,10 @@ class ResilienceSettings(BaseModel):
         default=1, ge=0, description="extra attempts allowed after an attempt whose engine died under it "
         "(a possibly poisonous request must not take the fleet down engine by engine)",
     )
+    max_relays: int = Field(
+        default=2, ge=0, description="times one streaming prompt may move to another engine after its "
+        "engine failed mid-stream (0: a mid-stream engine failure ends the stream with an error)",
+    )
     backoff_initial_s: float = Field(default=0.02, ge=0)
     backoff_max_s: float = Field(default=0.5, ge=0)
     breaker_failures: int = Field(default=3, ge=1, description="consecutive failures that open a breaker")
@@ -251,6 +260,10 @@ class ModelSettings(BaseModel):
     path: str | None = Field(
         default=None, description="model folder or hub id to learn vocab_size from; None = the render "
         "sidecar's `root`",
+    )
+    tokenizer_path: str | None = Field(
+        default=None, description="tokenizer folder or hub id for the local tokenizer used when render "
+        "is unavailable; None = `path`, else the sidecar's `root`",
     )
 
 
@@ -289,6 +302,26 @@ class StreamSettings(BaseModel):
     )
 
 
+class ObfuscationSettings(BaseModel):
+    """Token obfuscation: engines serve a key-permuted model copy and see only physical token ids
+    (docs/decisions.md, "Token obfuscation")."""
+
+    enabled: bool = Field(
+        default=False, description="map token ids semantic → physical towards engines and back; also "
+        "refuses every route that would send plain ids to an engine's native API",
+    )
+    key_file: str | None = Field(
+        default=None, description="file whose raw bytes are the permutation key (at least 16 bytes); the "
+        "engines' model copy must have been written with the same key",
+    )
+
+    @model_validator(mode="after")
+    def _key_when_enabled(self) -> ObfuscationSettings:
+        if self.enabled and not self.key_file:
+            raise ValueError("obfuscation.enabled needs obfuscation.key_file")
+        return self
+
+
 class Settings(BaseSettings):
     """Root of the configuration tree."""
 
@@ -306,6 +339,7 @@ class Settings(BaseSettings):
     topology: TopologySettings = Field(default_factory=TopologySettings)
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
     engines: list[EngineSettings] = Field(
         default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")]
     )

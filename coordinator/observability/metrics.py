@@ -44,6 +44,8 @@ class Metrics:
                                        registry=r)
         self.retries = Counter("coordinator_retries", "Engine requests retried on another engine",
                                registry=r)
+        self.relays = Counter("coordinator_relays", "Streams moved to another engine after a mid-stream "
+                              "engine failure", registry=r)
         self.engine_deaths = Counter("coordinator_engine_deaths",
                                      "Engines found dead right after failing a request", registry=r)
         # --- scheduling ---
@@ -61,6 +63,9 @@ class Metrics:
             lambda: self._hit_tokens / self._query_tokens if self._query_tokens else 0.0)
         self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
                                 ["path"], registry=r)
+        self.panic_decisions = Counter(
+            "coordinator_panic_decisions", "Engines picked although probes call them unhealthy, because "
+            "every engine of their model and role is (panic routing)", ["role"], registry=r)
 
     def prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         """One routing decision: how much of the prompt the picked engine holds, per the index."""

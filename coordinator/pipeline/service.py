@@ -242,9 +242,13 @@ class StreamSession:
         if self.ctx.include_usage:
             yield self.usage_chunk()
 
+    async def _emit(self, chunk: dict[str, Any]) -> None:
+        await self._queue.put(chunk)
+        self.ctx.visible = True  # from now on no engine failure may restart the request as a whole
+
     async def _produce(self, ps: PromptStream, chunks: AsyncIterator[dict[str, Any]]) -> None:
         try:
-            await ps.run(chunks, self._queue.put)
+            await ps.run(chunks, self._emit)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer, which cancels the siblings

@@ -2,9 +2,10 @@
 
 Union: one engine prefills and decodes. Handoff (P/D): a prefill engine computes the prompt's KV
 (one token, non-streaming), the decode engine continues from the ``kv_transfer_params`` it returned.
-A retry happens only before the first client-visible byte, always on an engine this request has not
-failed on, and always re-runs the whole topology: a decode leg is never retried with the previous
-prefill's (now stale) ``kv_transfer_params``.
+A retry happens before the first chunk, always on an engine this request has not failed on, and
+always re-runs the whole topology: a decode leg is never retried with the previous prefill's (now
+stale) ``kv_transfer_params``. After chunks flowed, ``EngineStream`` relays a failed stream (see
+there).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
+from coordinator.pipeline.topology.engine_stream import EngineStream
 from coordinator.pipeline.topology.legs import attempt_id, decode_body, prefill_body
 
 log = logging.getLogger(__name__)
@@ -64,58 +66,80 @@ class Dispatcher:
     async def generate(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
         """Non-streaming: nothing reaches the client before the whole answer, so any engine failure
         may be retried elsewhere."""
-        req = self._sched_request(ctx, plan)
+        req = self.sched_request(ctx, plan, plan.generate)
         async for attempt in self._retrying(req):
             with attempt:
-                return await self._generate_once(plan, req)
+                return await self._generate_once(plan.generate, req)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
     @contextlib.asynccontextmanager
     async def stream(self, ctx: RequestContext,
                      plan: PromptPlan) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """Streaming: retries cover admission and opening the engine stream (every leg up to the
-        decode engine's HTTP 200); once chunks flow, a failure ends the response."""
-        req = self._sched_request(ctx, plan)
-        opened: tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]] | None = None
-        async for attempt in self._retrying(req):
-            with attempt:
-                opened = await self._open_once(ctx, plan, req)
-        assert opened is not None
-        grant, stack, chunks = opened
+        decode engine's HTTP 200); once chunks flow, an engine failure is relayed to another engine
+        (``EngineStream``) or ends the response."""
+        leg = EngineStream(self, ctx, plan)
         try:
-            yield chunks
+            await leg.open()
+            yield leg.chunks()
         finally:
-            try:
-                await stack.aclose()
-            finally:
-                self._release(grant)
+            await leg.aclose()
+
+    # -- what an EngineStream uses -------------------------------------------------------------------
+    @property
+    def resilience(self) -> ResilienceSettings:
+        return self._resilience
+
+    def has_other_engine(self, req: SchedRequest) -> bool:
+        return self._scheduler.has_other_engine(req)
+
+    def count_relay(self) -> None:
+        if self._metrics is not None:
+            self._metrics.relays.inc()
+
+    def release(self, grant: Grant) -> None:
+        self._release(grant)
+
+    def attempt_failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
+        """A failure of an engine stream after it opened: feeds the breaker like any other."""
+        self._failed(engine, exc, req)
+
+    async def count_death(self, grant: Grant, exc: BaseException, req: SchedRequest) -> None:
+        await self._count_death(grant, exc, req)
+
+    def retrying(self, req: SchedRequest) -> AsyncRetrying:
+        return self._retrying(req)
+
+    async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
+                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]]:
+        return await self._open_once(ctx, generate, req)
 
     # -- one attempt --------------------------------------------------------------------------------
-    async def _generate_once(self, plan: PromptPlan, req: SchedRequest) -> dict[str, Any]:
+    async def _generate_once(self, generate: dict[str, Any], req: SchedRequest) -> dict[str, Any]:
         grant = await self._admit(req)
         try:
-            params = await self._prefill_leg(grant, plan, req)
+            params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
-            rid = attempt_id(plan.generate["request_id"])
+            rid = attempt_id(generate["request_id"])
             with self._outcome(engine, req):
-                return await self._client.generate(engine, decode_body(plan.generate, params), rid)
+                return await self._client.generate(engine, decode_body(generate, params), rid)
         except BaseException as exc:
             await self._count_death(grant, exc, req)
             raise
         finally:
             self._release(grant)
 
-    async def _open_once(self, ctx: RequestContext, plan: PromptPlan, req: SchedRequest
+    async def _open_once(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                          ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]]:
         grant = await self._admit(req)
         stack = contextlib.AsyncExitStack()
         try:
-            params = await self._prefill_leg(grant, plan, req)
+            params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
-            rid = attempt_id(plan.generate["request_id"])
+            rid = attempt_id(generate["request_id"])
             with self._outcome(engine, req):
                 chunks = await stack.enter_async_context(self._client.stream(
-                    engine, decode_body(plan.generate, params), rid, include_usage=ctx.include_usage))
+                    engine, decode_body(generate, params), rid, include_usage=ctx.include_usage))
             return grant, stack, chunks
         except BaseException as exc:
             await stack.aclose()
@@ -123,7 +147,8 @@ class Dispatcher:
             self._release(grant)
             raise
 
-    async def _prefill_leg(self, grant: Grant, plan: PromptPlan, req: SchedRequest) -> dict[str, Any] | None:
+    async def _prefill_leg(self, grant: Grant, generate: dict[str, Any],
+                           req: SchedRequest) -> dict[str, Any] | None:
         """Run the prefill leg if the placement has one; give its budget share back as soon as it ends.
 
         Releasing the prefill engine's KV is the connectors' job and works from the decode side: in
@@ -134,21 +159,29 @@ class Dispatcher:
         pre = grant.placement.prefill
         if pre is None:
             return None
-        rid = attempt_id(plan.generate["request_id"], "p")
+        rid = attempt_id(generate["request_id"], "p")
         try:
             with self._outcome(pre, req):
                 resp = await self._client.generate(
-                    pre, prefill_body(plan.generate, self._topology.prefill_kv_transfer_params), rid)
+                    pre, prefill_body(generate, self._topology.prefill_kv_transfer_params), rid)
         finally:
             grant.release_engine(pre)
         params = resp.get("kv_transfer_params")
         return params if isinstance(params, dict) else None
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _sched_request(self, ctx: RequestContext, plan: PromptPlan) -> SchedRequest:
-        salt = plan.generate.get("cache_salt")
-        return SchedRequest(request_id=plan.generate["request_id"], model=ctx.model,
-                            prompt_token_ids=plan.prompt_token_ids, max_tokens=plan.max_tokens, n=plan.n,
+    def sched_request(self, ctx: RequestContext, plan: PromptPlan, generate: dict[str, Any]) -> SchedRequest:
+        """What admission and the scheduler see of one attempt of ``generate`` (the plan's own
+        request, or a relay's replay of it). With token obfuscation the prefix index sees the ids
+        the engines see (physical ones)."""
+        salt = generate.get("cache_salt")
+        ids = generate.get("token_ids")
+        ids = ids if isinstance(ids, list) else plan.prompt_token_ids
+        obfuscator = getattr(self._client, "obfuscator", None)
+        if obfuscator is not None:
+            ids = obfuscator.to_physical(ids)
+        return SchedRequest(request_id=generate["request_id"], model=ctx.model, prompt_token_ids=ids,
+                            max_tokens=int(generate["sampling_params"]["max_tokens"]), n=plan.n,
                             priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None)
 
     async def _admit(self, req: SchedRequest) -> Grant:

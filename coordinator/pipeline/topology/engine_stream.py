@@ -1,0 +1,235 @@
+"""The streaming engine leg of one prompt, across attempts: grant, breaker feeding, abort, ledger, relay.
+
+One ``EngineStream`` owns what a prompt's streaming generation holds on the engine side: the
+admission grant and placement of the current attempt, its open HTTP stream (closing it aborts the
+engine request), the breaker feeding of the engine it runs on, and the **ledger**, the output token
+ids it has handed to derender.
+
+**Relay** (docs/decisions.md, "Mid-stream relay"). When the engine fails after chunks flowed
+(connection cut, 5xx or error event mid-stream, process killed, stall past
+``engine_client.stream_idle_timeout_s``), a single-prompt ``n=1`` stream is continued on another
+healthy engine: the replay request's prompt is the original prompt ids plus the ledger, its
+``max_tokens``/``min_tokens`` are reduced by the ledger's length, every other sampling parameter is
+kept, and it runs through the whole topology again (a P/D placement re-prefills the replay ids). The
+consumer sees one uninterrupted chunk sequence, so derender continues from its last committed
+``stream_state`` and the stop matcher's hold-back and usage counts carry over.
+
+The ledger holds every token handed to the consumer, not only those already committed to the
+client. That is the same set at the moment it matters: the engine side failing never drops what
+the consumer buffered, so each ledger token is committed before the replay's first token is.
+Derender failures are raised by the consumer, never here, so they never cause a relay.
+
+Multi-prompt and ``n>1`` streams have no per-choice replay (one engine request carries every choice
+of a prompt, and their ledgers differ): they are retried as a whole only while this stream has
+handed out nothing and nothing of the request reached the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.scheduling.request import SchedRequest
+
+if TYPE_CHECKING:
+    from coordinator.pipeline.admission.controller import Grant
+    from coordinator.pipeline.topology.dispatcher import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    """One engine attempt: what it holds and where it runs."""
+
+    number: int
+    grant: Grant
+    stack: contextlib.AsyncExitStack   # the open engine stream(s); closing aborts what is unfinished
+    chunks: AsyncIterator[dict[str, Any]]
+    req: SchedRequest
+
+    @property
+    def engine(self) -> Engine:
+        return self.grant.placement.engine
+
+
+def relayable(exc: BaseException) -> bool:
+    """An engine-side failure of a stream that had started: the engine, not the request, failed."""
+    return isinstance(exc, UpstreamUnavailable | UpstreamTimeout) and not isinstance(exc, UpstreamClientError)
+
+
+def replay_generate(plan: PromptPlan, ledger: list[int]) -> dict[str, Any]:
+    """The GenerateRequest that continues ``plan`` after ``ledger`` was generated.
+
+    Prompt = original prompt ids + ledger; ``max_tokens`` and ``min_tokens`` shrink by the ledger;
+    ``prompt_logprobs`` is dropped (the client already has the original prompt's). Everything else,
+    ``seed`` included, is kept: greedy output continues exactly; seeded sampling continues with a
+    valid sample that is not the one an uninterrupted stream would have drawn."""
+    sp = dict(plan.generate["sampling_params"])
+    done = len(ledger)
+    sp["max_tokens"] = int(sp["max_tokens"]) - done
+    if sp.get("min_tokens"):
+        sp["min_tokens"] = max(0, int(sp["min_tokens"]) - done)
+    sp.pop("prompt_logprobs", None)
+    return {**plan.generate, "token_ids": [*plan.prompt_token_ids, *ledger], "sampling_params": sp}
+
+
+class EngineStream:
+    """A prompt's engine stream that survives engine failures (see the module docstring)."""
+
+    def __init__(self, dispatcher: Dispatcher, ctx: RequestContext, plan: PromptPlan) -> None:
+        self._d = dispatcher
+        self._ctx = ctx
+        self._plan = plan
+        self._single = len(ctx.prompts) <= 1 and plan.n == 1
+        self.ledger: list[int] = []          # output ids handed out (n=1), semantic ids
+        self.handed_tokens = 0               # tokens handed out over all choices
+        self._finished: set[int] = set()     # choices whose final chunk was handed out
+        self.relays = 0
+        self._attempts = 0
+        self._current: Attempt | None = None
+        self._req = dispatcher.sched_request(ctx, plan, plan.generate)
+        self._closed = False
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._current.engine if self._current is not None else None
+
+    async def open(self) -> None:
+        """The first attempt (retried on other engines while it fails to open)."""
+        self._current = await self._open(self._plan.generate, self._req)
+
+    async def _open(self, generate: dict[str, Any], req: SchedRequest) -> Attempt:
+        opened: Attempt | None = None
+        async for attempt in self._d.retrying(req):
+            with attempt:
+                self._attempts += 1
+                grant, stack, chunks = await self._d.open_attempt(self._ctx, generate, req)
+                opened = Attempt(self._attempts, grant, stack, chunks, req)
+        assert opened is not None
+        return opened
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Engine chunks of every attempt, as one sequence; raises when the stream cannot go on."""
+        while True:
+            attempt = self._current
+            assert attempt is not None, "open() first"
+            replay = self._single and attempt.req is not self._req
+            offset = len(self.ledger)
+            try:
+                async for chunk in attempt.chunks:
+                    if replay:
+                        chunk = _as_original(chunk, self._plan, offset)
+                    self._hand_out(chunk)
+                    yield chunk
+                await self._end(attempt, None)
+                return
+            except GeneratorExit:
+                raise
+            except BaseException as exc:
+                if not relayable(exc):
+                    raise
+                await self._end(attempt, exc)
+                if self._all_finished():
+                    log.info("request %s: engine %s failed after the last token (%s); stream complete",
+                             self._ctx.request_id, attempt.engine.url, exc)
+                    return
+                if not self._may_relay(exc, attempt):
+                    raise
+                self._current = await self._relay(attempt, exc)
+
+    def _hand_out(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or ()
+            self.handed_tokens += len(ids)
+            if self._single:
+                self.ledger.extend(ids)
+            if choice.get("finish_reason") is not None:
+                self._finished.add(int(choice.get("index", 0)))
+
+    def _all_finished(self) -> bool:
+        return len(self._finished) >= self._plan.n
+
+    def _may_relay(self, exc: BaseException, attempt: Attempt) -> bool:
+        r = self._d.resilience
+        why = None
+        if self.relays >= r.max_relays:
+            why = f"resilience.max_relays ({r.max_relays}) reached"
+        elif not self._single and (self.handed_tokens or self._ctx.visible):
+            why = "multi-prompt and n>1 streams are retried only before their first visible chunk"
+        elif self._req.engine_deaths > r.retries_after_engine_death:
+            why = f"{self._req.engine_deaths} engines died while running it"
+        elif not self._d.has_other_engine(self._req):
+            why = "no other healthy engine"
+        elif self._plan.max_tokens - len(self.ledger) < 1:
+            why = "no output budget left"
+        if why is not None:
+            log.warning("request %s: engine %s failed mid-stream (%s); not relayed: %s",
+                        self._ctx.request_id, attempt.engine.url, exc, why)
+            return False
+        return True
+
+    async def _relay(self, failed: Attempt, exc: BaseException) -> Attempt:
+        self.relays += 1
+        if self._single:
+            generate = replay_generate(self._plan, self.ledger)
+        else:
+            generate = self._plan.generate  # nothing handed out: a plain retry from the start
+        req = self._d.sched_request(self._ctx, self._plan, generate)
+        req.exclude = self._req.exclude          # shared: every attempt avoids every failed engine
+        req.engine_deaths = self._req.engine_deaths
+        self._d.count_relay()
+        log.warning("request %s: relay %d after engine %s failed (%s): %d tokens committed, %d left, "
+                    "replay prompt %d tokens", self._ctx.request_id, self.relays, failed.engine.url, exc,
+                    len(self.ledger), int(generate["sampling_params"]["max_tokens"]),
+                    len(generate["token_ids"]))
+        try:
+            attempt = await self._open(generate, req)
+        finally:
+            self._req.engine_deaths = req.engine_deaths
+        log.info("request %s: relay %d continues on engine %s", self._ctx.request_id, self.relays,
+                 attempt.engine.url)
+        # The replay's own request id is only for scheduling; the prompt's stays the same.
+        attempt.req = req
+        return attempt
+
+    async def _end(self, attempt: Attempt, exc: BaseException | None) -> None:
+        """Close the attempt's stream (aborting the engine request if unfinished), feed the breaker
+        with a mid-stream failure, count a dead engine, give the grant back."""
+        if self._current is attempt:
+            self._current = None
+        try:
+            await attempt.stack.aclose()
+        finally:
+            try:
+                if exc is not None:
+                    self._d.attempt_failed(attempt.engine, exc, self._req)
+                    await self._d.count_death(attempt.grant, exc, self._req)
+            finally:
+                self._d.release(attempt.grant)
+
+    async def aclose(self) -> None:
+        """Release the current attempt (closing its stream aborts the engine request)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._current is not None:
+            await self._end(self._current, None)
+
+
+def _as_original(chunk: dict[str, Any], plan: PromptPlan, offset: int) -> dict[str, Any]:
+    """A replay chunk as the original request's: no replay prompt ids/logprobs, usage in the
+    original's terms (prompt = original prompt, completion counts what came before the relay)."""
+    out = {k: v for k, v in chunk.items() if k not in ("prompt_token_ids", "prompt_logprobs")}
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        completion = int(usage.get("completion_tokens") or 0) + offset
+        out["usage"] = {**usage, "prompt_tokens": plan.prompt_tokens, "completion_tokens": completion,
+                        "total_tokens": plan.prompt_tokens + completion}
+    return out
