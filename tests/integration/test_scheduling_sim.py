@@ -211,8 +211,11 @@ def test_budget_is_released_on_every_exit_path(render_sidecar: Any, coordinator_
 
 def test_no_healthy_engine_is_503_without_queueing(render_sidecar: Any,
                                                    coordinator_factory: CoordinatorFactory) -> None:
-    coord = coordinator_factory(render_sidecar.url, [f"http://127.0.0.1:{free_port()}"])
+    coord = coordinator_factory(render_sidecar.url, [f"http://127.0.0.1:{free_port()}"],
+                                resilience={"breaker_failures": 1})
     assert wait_until(lambda: not coord.components.registry.any_healthy())
+    # The first request is still tried (panic routing: probes alone do not refuse) and opens the breaker.
+    assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30).status_code == 502
     r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     assert released(coord)
@@ -325,15 +328,20 @@ def test_breaker_opens_after_failures_and_a_half_open_trial_closes_it(
         assert flaky.state()["completed"] >= 1
 
 
-def test_mid_stream_failure_is_not_retried(render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+def test_mid_stream_failure_is_relayed_once_per_engine(render_sidecar: Any,
+                                                      coordinator_factory: CoordinatorFactory) -> None:
+    """A relay never goes back to an engine the stream failed on: with every engine failing, the
+    stream ends with an error after each was tried once (tests/integration/test_relay_sim.py has the
+    successful relays)."""
     with sims(2) as (a, b):
         coord = coordinator_factory(render_sidecar.url, [a.url, b.url])
         a.set_faults(drop_after_tokens=3)
         b.set_faults(drop_after_tokens=3)
         events = sse_events(httpx.post(f"{coord.url}/v1/chat/completions", json=chat(stream=True), timeout=30))
         assert "error" in events[-2] and events[-1] == "[DONE]"
-        assert a.state()["requests_total"] + b.state()["requests_total"] == 1
+        assert a.state()["requests_total"] == b.state()["requests_total"] == 1
         assert sample(coord, "coordinator_retries_total") == 0
+        assert sample(coord, "coordinator_relays_total") == 1
 
 
 # --------------------------------------------------------------------------- P/D handoff

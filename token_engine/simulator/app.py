@@ -166,12 +166,17 @@ class SimServer:
         self.history: deque[dict[str, Any]] = deque(maxlen=256)
         """The last generate calls as received (id, stream, max_tokens, kv_transfer_params): lets a test
         see what a coordinator sent to each leg of a P/D handoff."""
+        self.last_ids: dict[str, Any] | None = None
+        """The token ids of the last generate call as received (prompt, stop_token_ids): lets a test see
+        which ids reached the engine (token obfuscation sends physical ones)."""
 
     # ------------------------------------------------------------------ generate
 
     async def serve_generate(self, request: GenerateRequest, raw: Request) -> Response:
         self.generate_calls += 1
         self.history.append(_received(request, raw))
+        self.last_ids = {"token_ids": list(request.token_ids),
+                         "stop_token_ids": list(request.sampling_params.stop_token_ids or [])}
         if self.faults.take_failure():
             return _fault_response(self.faults)
         call_faults = self.faults.take_call()
@@ -299,6 +304,8 @@ class SimServer:
         generated = [0] * req.params.n
         tokens_sent = 0
         try:
+            if faults is not None:  # "after 0 tokens": the 200 went out, no chunk did
+                await self._mid_stream_faults(req, faults, tokens_sent)
             async with contextlib.aclosing(self.engine.generate(req)) as outputs:
                 async for delta in outputs:
                     generated[delta.index] += len(delta.token_ids)
@@ -422,6 +429,7 @@ class SimServer:
             "requests_total": eng.stats.requests_total,
             "generate_calls": self.generate_calls,
             "history": list(self.history),
+            "last_ids": self.last_ids,
             "prefix_cache": {
                 "blocks": len(eng.prefix_cache),
                 "capacity_blocks": eng.prefix_cache.capacity_blocks,
