@@ -10,6 +10,7 @@ import uvicorn
 from coordinator.api.server import uvicorn_config
 from coordinator.app import build_app
 from coordinator.config import load_settings
+from coordinator.observability.events import JsonFormatter
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     port = args.port or settings.server.port
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.server.log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
     config = uvicorn_config(build_app(settings), settings, host=host, port=port,
                             log_level=settings.server.log_level, access_log=False)

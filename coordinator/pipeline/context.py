@@ -22,6 +22,7 @@ class PromptPlan:
     prompt_token_ids: list[int]
     n: int
     stop: StopSpec
+    attempt: int = 1                  # engine attempt now streaming (a relay starts the next one)
 
     @property
     def prompt_tokens(self) -> int:

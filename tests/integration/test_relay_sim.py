@@ -7,6 +7,7 @@ real vLLM engines killed with SIGKILL is `make relay-proof` (docs/relay.md).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,14 +83,20 @@ def check_one_continuous_stream(events: list[Any], baseline: list[Any], kind: st
 @pytest.mark.parametrize("fault", [{"drop_after_tokens": 7}, {"error_after_tokens": 7},
                                    {"stall_after_tokens": 7}])
 def test_engine_failure_mid_stream_is_relayed_without_a_seam(
-        coord: CoordinatorServer, sims: tuple[SimulatedEngine, SimulatedEngine], fault: dict[str, int]) -> None:
+        coord: CoordinatorServer, sims: tuple[SimulatedEngine, SimulatedEngine], fault: dict[str, int],
+        caplog: pytest.LogCaptureFixture) -> None:
     before = calls(sims)
     baseline = run(coord, chat())
     victim = served_by(sims, before)
     victim.set_faults(calls=1, **fault)
-    events = run(coord, chat())  # prefix affinity sends it to the same engine first
+    with caplog.at_level(logging.INFO, logger="coordinator"):
+        events = run(coord, chat())  # prefix affinity sends it to the same engine first
     check_one_continuous_stream(events, baseline)
     assert relays(coord) == 1
+    relay = [r for r in caplog.records if getattr(r, "event", None) == "relay"]
+    assert len(relay) == 1 and relay[0].fields["result"] == "ok"  # type: ignore[attr-defined]
+    assert relay[0].fields["from_engine"] == victim.url  # type: ignore[attr-defined]
+    assert relay[0].fields["committed"] >= fault.popitem()[1] - 1  # type: ignore[attr-defined]
     assert coord.wait_idle() == 0
     assert coord.components.ledger.global_inflight == 0
 

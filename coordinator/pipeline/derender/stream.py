@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.fixups import (
@@ -47,9 +49,10 @@ from coordinator.pipeline.derender.fixups import (
 )
 from coordinator.pipeline.derender.shape import role_chunk, shape_stream_chunk
 from coordinator.pipeline.derender.stop import StopMatcher
-from coordinator.pipeline.errors import first_leaf
+from coordinator.pipeline.errors import PipelineError, first_leaf
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,13 @@ class PromptStream:
         if stops_on_token(choice, self.plan.stop):
             chunk = {**chunk, "choices": [without_stop_token(choice)]}
         self.derender_calls += 1
-        out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state)
+        try:
+            out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state)
+        except PipelineError as exc:  # a response-stage failure: never retried on an engine
+            event(log, "derender_error", self.ctx.request_id, level=logging.WARNING, prompt=self.plan.index,
+                  choice=int(choice.get("index", 0)), attempt=self.plan.attempt, error=type(exc).__name__,
+                  status=exc.status, detail=exc.message)
+            raise
         engine_finish = choice.get("finish_reason")
         out_choice = out["choices"][0] if out.get("choices") else None
         stop_hit: str | None = None

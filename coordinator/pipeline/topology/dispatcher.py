@@ -25,6 +25,7 @@ from tenacity import (
 )
 
 from coordinator.config import ResilienceSettings, TopologySettings
+from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -121,7 +122,7 @@ class Dispatcher:
             params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
             rid = attempt_id(generate["request_id"])
-            with self._outcome(engine, req):
+            with self._outcome(engine, req, _phase(grant)):
                 return await self._client.generate(engine, decode_body(generate, params), rid)
         except BaseException as exc:
             await self._count_death(grant, exc, req)
@@ -137,7 +138,7 @@ class Dispatcher:
             params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
             rid = attempt_id(generate["request_id"])
-            with self._outcome(engine, req):
+            with self._outcome(engine, req, _phase(grant), ok="streaming"):
                 chunks = await stack.enter_async_context(self._client.stream(
                     engine, decode_body(generate, params), rid, include_usage=ctx.include_usage))
             return grant, stack, chunks
@@ -161,7 +162,7 @@ class Dispatcher:
             return None
         rid = attempt_id(generate["request_id"], "p")
         try:
-            with self._outcome(pre, req):
+            with self._outcome(pre, req, "prefill"):
                 resp = await self._client.generate(
                     pre, prefill_body(generate, self._topology.prefill_kv_transfer_params), rid)
         finally:
@@ -226,14 +227,17 @@ class Dispatcher:
             self._registry.on_idle(engine)  # a removed engine leaves the pool once its last request ends
 
     @contextlib.contextmanager
-    def _outcome(self, engine: Engine, req: SchedRequest) -> Iterator[None]:
-        """Around one engine call: its success or failure feeds the engine's breaker."""
+    def _outcome(self, engine: Engine, req: SchedRequest, phase: str, ok: str = "ok") -> Iterator[None]:
+        """Around one engine call: its success or failure feeds the engine's breaker and is logged."""
         try:
             yield
         except BaseException as exc:
             self._failed(engine, exc, req)
+            event(log, "leg", req.request_id, engine=engine.url, phase=phase,
+                  result="cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
             raise
         self._registry.record_success(engine)
+        event(log, "leg", req.request_id, engine=engine.url, phase=phase, result=ok)
 
     def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
         """Feed the breaker and steer a retry away from this engine."""
@@ -249,6 +253,10 @@ class Dispatcher:
                 self._registry.mark_failed(engine)
             else:
                 self._registry.record_failure(engine)
+
+
+def _phase(grant: Grant) -> str:
+    return "union" if grant.placement.prefill is None else "decode"
 
 
 __all__ = ["Dispatcher", "retryable"]

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
@@ -170,8 +171,9 @@ class EngineStream:
         elif self._plan.max_tokens - len(self.ledger) < 1:
             why = "no output budget left"
         if why is not None:
-            log.warning("request %s: engine %s failed mid-stream (%s); not relayed: %s",
-                        self._ctx.request_id, attempt.engine.url, exc, why)
+            event(log, "relay", self._ctx.request_id, level=logging.WARNING, prompt=self._plan.index,
+                  relay=self.relays + 1, committed=len(self.ledger), from_engine=attempt.engine.url,
+                  reason=type(exc).__name__, result="refused", why=why)
             return False
         return True
 
@@ -185,16 +187,21 @@ class EngineStream:
         req.exclude = self._req.exclude          # shared: every attempt avoids every failed engine
         req.engine_deaths = self._req.engine_deaths
         self._d.count_relay()
-        log.warning("request %s: relay %d after engine %s failed (%s): %d tokens committed, %d left, "
-                    "replay prompt %d tokens", self._ctx.request_id, self.relays, failed.engine.url, exc,
-                    len(self.ledger), int(generate["sampling_params"]["max_tokens"]),
-                    len(generate["token_ids"]))
         try:
             attempt = await self._open(generate, req)
+        except BaseException as reopen:
+            event(log, "relay", self._ctx.request_id, level=logging.WARNING, prompt=self._plan.index,
+                  relay=self.relays, committed=len(self.ledger), from_engine=failed.engine.url,
+                  to_engine=None, reason=type(exc).__name__, result=type(reopen).__name__)
+            raise
         finally:
             self._req.engine_deaths = req.engine_deaths
-        log.info("request %s: relay %d continues on engine %s", self._ctx.request_id, self.relays,
-                 attempt.engine.url)
+        self._plan.attempt += 1
+        event(log, "relay", self._ctx.request_id, level=logging.WARNING, prompt=self._plan.index,
+              relay=self.relays, committed=len(self.ledger),
+              remaining=int(generate["sampling_params"]["max_tokens"]),
+              replay_prompt_tokens=len(generate["token_ids"]), from_engine=failed.engine.url,
+              to_engine=attempt.engine.url, reason=type(exc).__name__, result="ok")
         # The replay's own request id is only for scheduling; the prompt's stays the same.
         attempt.req = req
         return attempt
@@ -204,6 +211,9 @@ class EngineStream:
         with a mid-stream failure, count a dead engine, give the grant back."""
         if self._current is attempt:
             self._current = None
+        if exc is not None:
+            event(log, "leg", self._ctx.request_id, level=logging.WARNING, engine=attempt.engine.url,
+                  phase="stream", result=type(exc).__name__, tokens=self.handed_tokens, error=str(exc))
         try:
             await attempt.stack.aclose()
         finally:
