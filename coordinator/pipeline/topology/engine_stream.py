@@ -5,7 +5,7 @@ admission grant and placement of the current attempt, its open HTTP stream (clos
 engine request), the breaker feeding of the engine it runs on, and the **ledger**, the output token
 ids it has handed to derender.
 
-**Relay** (docs/decisions.md, "Mid-stream relay"). When the engine fails after chunks flowed
+**Relay** (docs/relay.md). When the engine fails after chunks flowed
 (connection cut, 5xx or error event mid-stream, process killed, stall past
 ``engine_client.stream_idle_timeout_s``), a single-prompt ``n=1`` stream is continued on another
 healthy engine: the replay request's prompt is the original prompt ids plus the ledger, its
