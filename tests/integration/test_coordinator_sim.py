@@ -143,9 +143,13 @@ def test_multi_prompt_midstream_failure_cancels_siblings(coord: CoordinatorServe
 
 def test_engine_failing_health_probes_leaves_rotation(render_sidecar: Any, sim: SimulatedEngine,
                                                       coordinator_factory: CoordinatorFactory) -> None:
-    coord = coordinator_factory(render_sidecar.url, [sim.url], engine_client={"health_interval_s": 0.1})
+    coord = coordinator_factory(render_sidecar.url, [sim.url], engine_client={"health_interval_s": 0.1},
+                                resilience={"breaker_failures": 1})
     sim.set_faults(health_dead=True)
     assert wait_until(lambda: not coord.components.registry.any_healthy())
+    # Unhealthy by probes only: still tried (panic routing); the engine's 500 opens its breaker.
+    r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30)
+    assert r.status_code == 502
     r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     sim.clear_faults()
@@ -154,8 +158,12 @@ def test_engine_failing_health_probes_leaves_rotation(render_sidecar: Any, sim: 
 
 
 def test_no_healthy_engine_is_503(render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
-    coord = coordinator_factory(render_sidecar.url, [f"http://127.0.0.1:{free_port()}"])
+    coord = coordinator_factory(render_sidecar.url, [f"http://127.0.0.1:{free_port()}"],
+                                resilience={"breaker_failures": 1})
     assert wait_until(lambda: not coord.components.registry.any_healthy())
+    # Probes alone do not refuse (panic routing): the refused connection opens the breaker.
+    r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30)
+    assert r.status_code == 502
     r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     assert httpx.get(f"{coord.url}/ready").status_code == 503

@@ -104,7 +104,11 @@ def test_full_engines_mean_wait_and_no_engine_means_503() -> None:
         e.inflight_tokens = 300                            # 300 + 336 > 400 everywhere
     assert sched.place(req(PROMPT)) is None               # None = wait for capacity
     for e in reg.engines:
-        e.probe_ok = False
+        e.probe_ok = False                                 # unhealthy by probes alone: still tried
+    assert sched.place(req(PROMPT)) is None                # (panic routing, test_panic_routing.py)
+    for e in reg.engines:
+        for _ in range(3):
+            reg.record_failure(e)                          # and real requests failed: out
     with pytest.raises(NoHealthyEngine):
         sched.place(req(PROMPT))
 

@@ -135,6 +135,14 @@ class EngineRegistry:
         or a half-open trial" rather than "no engine can serve this" (503)."""
         return [e for e in self.engines if e.healthy and e.role == role and e.serves(model)]
 
+    def panic_pool(self, model: str, role: EngineRole = "union") -> list[Engine]:
+        """Engines for ``model`` that probes call unhealthy but no open breaker refuses, for when none is
+        healthy (Envoy's panic threshold at 100%): probes miss deadlines on a loaded host and would
+        otherwise empty the pool, while an open breaker stands for failures of real requests. Draining
+        and removed engines stay out: that is the operator's decision, not a health verdict."""
+        return [e for e in self.engines if e.role == role and e.serves(model) and e.probe_ok is False
+                and not e.removed and not e.drain_requested and e.breaker.state != "open"]
+
     def any_healthy(self) -> bool:
         return any(e.healthy for e in self.engines)
 

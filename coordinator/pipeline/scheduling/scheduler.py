@@ -84,6 +84,7 @@ class Scheduler:
         self._topology = topology
         self._metrics = metrics
         self._scores_prefix = any(scorer.name == "prefix" for scorer, _ in profile.scorers)
+        self._panic: set[tuple[str, EngineRole]] = set()  # (model, role) routed in panic right now
 
     # -- public ---------------------------------------------------------------------------------
     def uses_handoff(self, model: str) -> bool:
@@ -122,7 +123,7 @@ class Scheduler:
     def has_other_engine(self, req: SchedRequest) -> bool:
         """Whether a retry has somewhere to go (an eligible engine this request has not failed on)."""
         role: EngineRole = "decode" if self.uses_handoff(req.model) else "union"
-        return any(e.url not in req.exclude for e in self._registry.eligible(req.model, role))
+        return any(e.url not in req.exclude for e in self._eligible(req.model, role))
 
     def forget(self, engine_url: str) -> None:
         for index in (self.index, self.pending):
@@ -137,10 +138,11 @@ class Scheduler:
 
     def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
         req = data.req
-        eligible = self._registry.eligible(req.model, role)
+        eligible = self._eligible(req.model, role)
         if not eligible:
             raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
-        pool: Sequence[Engine] = [e for e in eligible if e.available]
+        # Healthy (or, in panic, probe-unhealthy) already: the breaker decides the rest.
+        pool: Sequence[Engine] = [e for e in eligible if e.breaker.available()]
         if req.exclude and not any(e.url not in req.exclude for e in eligible):
             raise NoOtherEngine(f"every {role} engine for model {req.model!r} failed this request")
         for f in self.profile.filters:
@@ -154,6 +156,24 @@ class Scheduler:
             for i, s in enumerate(scorer(data, pool)):
                 totals[i] += weight * s
         return self.profile.picker(pool, totals, data)
+
+    def _eligible(self, model: str, role: EngineRole) -> list[Engine]:
+        """Healthy engines; when probes call every one unhealthy, those no open breaker refuses (panic
+        routing, docs/scheduling.md): better a request that may fail than a certain 503. Not for the
+        prefill role: without a prefill engine the decode engine prefills locally, a sure path."""
+        eligible = self._registry.eligible(model, role)
+        key = (model, role)
+        if eligible or role == "prefill":
+            if key in self._panic:
+                self._panic.discard(key)
+                log.info("healthy %s engines for %s again: panic routing ends", role, model)
+            return eligible
+        eligible = self._registry.panic_pool(model, role)
+        if eligible and key not in self._panic:
+            self._panic.add(key)
+            log.warning("health probes call every %s engine for %s unhealthy: routing to them anyway "
+                        "(panic) while their breakers allow", role, model)
+        return eligible
 
     def _lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
         """Blocks each engine holds (the longer of the index and the pending layer), and the engines
@@ -177,16 +197,18 @@ class Scheduler:
 
     def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
         req = data.req
+        m = self._metrics
         if isinstance(self.profile.picker, Observer):
             self.profile.picker.observe(placement.engine, data)
         for e in placement.engines:
             e.breaker.on_pick()
+            if m is not None and not e.healthy:
+                m.panic_decisions.labels(e.role).inc()
             if req.block_hashes:
                 if self._learn and self.index is not None:
                     self.index.add(e.url, req.block_hashes)
                 if self.pending is not None:
                     self.pending.add(e.url, req.block_hashes)
-        m = self._metrics
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
             m.handoffs.labels(path).inc()
