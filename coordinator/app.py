@@ -17,6 +17,7 @@ from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
 from coordinator.config import Settings
+from coordinator.observability.accounting import Accounting
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
@@ -154,7 +155,11 @@ def build_app(settings: Settings) -> FastAPI:
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
-    app.include_router(build_admin_router(c.registry, c.admission, auth))
+    accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
+                            lambda: c.registry.engines)
+    accounting.export(c.metrics)
+    app.state.accounting = accounting
+    app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot))
 
     @app.get("/health")
     async def health() -> Response:

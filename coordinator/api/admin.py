@@ -1,10 +1,13 @@
-"""Operator endpoints: see the engine pool, drain and restore engines, replace the static list.
+"""Operator endpoints: see the engine pool, drain and restore engines, replace the static list, and
+what the coordinator holds right now (``/admin/accounting``: every count is 0 when idle; a count that
+stays up is a leak).
 
 Thin: each route calls one registry method. Guarded by the same API keys as the OpenAI routes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +32,8 @@ def describe(e: Engine) -> dict[str, Any]:
 
 
 def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
-                       auth: ApiKeyCheck) -> APIRouter:
+                       auth: ApiKeyCheck, *,
+                       accounting: Callable[[], dict[str, Any]] | None = None) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     def guarded(request: Request) -> None:
@@ -49,6 +53,18 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
             return error_response(exc)
         return JSONResponse({"engines": [describe(e) for e in registry.engines],
                              "queued": admission.queue_length})
+
+    @router.get("/accounting")
+    async def held(request: Request) -> Response:
+        """Admission tokens and queue, requests, stream sessions, producer tasks, open engine streams,
+        pending aborts, sidecar calls in flight, and each engine's in-flight counts."""
+        try:
+            guarded(request)
+        except PipelineError as exc:
+            return error_response(exc)
+        if accounting is None:
+            return error_response(ModelNotFound("accounting is not wired in this coordinator"))
+        return JSONResponse(accounting())
 
     @router.post("/engines/drain")
     async def drain(request: Request, url: str) -> Response:

@@ -20,6 +20,19 @@ class Metrics:
             registry=r)
         self.inflight = Gauge("coordinator_inflight_requests", "Client requests currently in flight",
                               registry=r)  # app.py points it at the pipeline's count
+        # --- what requests hold (accounting.py points these at live counts; 0 when idle) ---
+        self.open_stream_sessions = Gauge("coordinator_open_stream_sessions",
+                                          "Streaming sessions not closed yet", registry=r)
+        self.producer_tasks = Gauge("coordinator_producer_tasks",
+                                    "Tasks reading an engine stream for an open session", registry=r)
+        self.open_engine_streams = Gauge("coordinator_open_engine_streams",
+                                         "Engine generate responses held open", registry=r)
+        self.open_native_streams = Gauge("coordinator_open_native_streams",
+                                         "Engine OpenAI-API responses held open (native route)", registry=r)
+        self.pending_engine_aborts = Gauge("coordinator_pending_engine_aborts",
+                                           "Abort calls to engines not finished yet", registry=r)
+        self.sidecar_calls = Gauge("coordinator_sidecar_calls_inflight",
+                                   "Render/derender calls in flight over all sidecars", registry=r)
         # --- admission ---
         self.queue_length = Gauge("coordinator_queue_length", "Requests waiting for admission", registry=r)
         self.queue_wait = Histogram("coordinator_queue_wait_seconds", "Time from arrival to admission",

@@ -53,6 +53,12 @@ class EngineClient:
         self._lanes = Lanes(settings.max_connections,
                             lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits))
         self._aborts: set[asyncio.Task[None]] = set()
+        self.open_streams = 0  # generate responses held open (a leak shows here: /admin/accounting)
+
+    @property
+    def pending_aborts(self) -> int:
+        """Abort calls sent and not finished yet."""
+        return len(self._aborts)
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -108,6 +114,7 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise self._send_failed(engine, request_id, exc) from exc
         finished = False
+        self.open_streams += 1
         try:
             if resp.status_code != 200:
                 await resp.aread()
@@ -136,6 +143,7 @@ class EngineClient:
 
             yield chunks()
         finally:
+            self.open_streams -= 1
             await resp.aclose()
             if not finished:
                 self.abort_soon(engine, request_id)
