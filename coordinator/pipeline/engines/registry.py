@@ -50,6 +50,7 @@ class Engine:
     breaker: CircuitBreaker
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    native_api: bool = False         # also serves the OpenAI API (the native route may use it)
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
@@ -192,7 +193,7 @@ class EngineRegistry:
                                 CircuitBreaker(self._settings.resilience.breaker_failures,
                                                self._settings.resilience.breaker_cooldown_s, self._clock),
                                 kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
-                                drain_requested=s.drain)
+                                drain_requested=s.drain, native_api=s.native_api)
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -200,15 +201,16 @@ class EngineRegistry:
                 self._notify("added", engine)
                 continue
             before = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                      engine.removed, engine.drain_requested)
+                      engine.removed, engine.drain_requested, engine.native_api)
             engine.role, engine.model, engine.weight = s.role, s.model, s.weight
             engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
             engine.kv_events_replay = s.kv_events_replay
+            engine.native_api = s.native_api
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain
             after = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                     engine.removed, engine.drain_requested)
+                     engine.removed, engine.drain_requested, engine.native_api)
             if after != before:
                 log.info("engine %s updated", url)
                 self._sync(engine, force=True)

@@ -20,6 +20,7 @@ class SchedRequest:
     exclude: set[str] = field(default_factory=set)   # engine urls this request already failed on
     engine_deaths: int = 0                            # attempts whose engine died under this request
     block_hashes: list[int] | None = None             # filled once by the scheduler, reused on retries
+    native_api: bool = False                          # the native route: union engines with native_api only
 
     @property
     def prompt_tokens(self) -> int:

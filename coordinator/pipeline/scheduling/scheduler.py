@@ -96,7 +96,7 @@ class Scheduler:
 
     def place(self, req: SchedRequest) -> Placement | None:
         """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine."""
-        handoff = self.uses_handoff(req.model)
+        handoff = self.uses_handoff(req.model) and not req.native_api  # the native route is union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
         matched, continuing = self._lookup(req.block_hashes)  # once, for every role below
@@ -139,6 +139,8 @@ class Scheduler:
     def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
         req = data.req
         eligible = self._eligible(req.model, role)
+        if req.native_api:
+            eligible = [e for e in eligible if e.native_api]
         if not eligible:
             raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
         # Healthy (or, in panic, probe-unhealthy) already: the breaker decides the rest.

@@ -1,0 +1,147 @@
+"""Client for an engine's own OpenAI API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
+
+Only engines marked ``native_api`` (``vllm serve --enable-scale-out``) are called here, by the native
+route (``pipeline/native_route.py``). The client's OpenAI body goes as it is; the engine tokenizes,
+samples and detokenizes itself. Closing a stream closes the HTTP response, which vLLM's OpenAI server
+turns into an abort of the request (it watches for the disconnect), so no separate abort call exists.
+Failures are mapped like the token-only client's: no connection is ``EngineUnreachable`` (safe to try
+another engine), a 4xx with an OpenAI body is the client's error, the rest is 502/504.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import httpx
+import msgspec
+from httpx_sse import EventSource
+
+from coordinator.config import EngineClientSettings
+from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+
+log = logging.getLogger(__name__)
+_decode = msgspec.json.Decoder().decode
+
+NativeKind = Literal["chat", "completion"]
+PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_MODELS_TIMEOUT_S = 5.0
+
+
+class NativeClient:
+    """Typed calls to engines' OpenAI routes; one connection pool for all of them."""
+
+    def __init__(self, settings: EngineClientSettings,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.settings = settings
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=settings.max_connections), transport=transport)
+        self.open_streams = 0  # engine responses currently held open (a leak shows here)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def complete(self, engine: Engine, kind: NativeKind, body: dict[str, Any],
+                       request_id: str) -> dict[str, Any]:
+        """A non-streaming OpenAI call; the engine's JSON response."""
+        timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
+        try:
+            resp = await self._http.post(f"{engine.url}{PATHS[kind]}", json={**body, "stream": False},
+                                         headers={"X-Request-Id": request_id}, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise _send_failed(engine, exc) from exc
+        data = _json_or_none(resp.content)
+        _raise_for_status(engine, resp.status_code, data)
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+            raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected OpenAI body")
+        return data
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine: Engine, kind: NativeKind, body: dict[str, Any],
+                     request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Open an SSE stream (yields once the engine answered 200) as an iterator of chunk dicts.
+
+        Leaving the context closes the response: vLLM aborts the request when its client goes."""
+        req = self._http.build_request("POST", f"{engine.url}{PATHS[kind]}", json={**body, "stream": True},
+                                       headers={"X-Request-Id": request_id})
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise _send_failed(engine, exc) from exc
+        self.open_streams += 1
+        try:
+            if resp.status_code != 200:
+                await resp.aread()
+                _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
+            yield _chunks(engine, resp)
+        finally:
+            self.open_streams -= 1
+            await resp.aclose()
+
+    async def max_model_len(self, engine: Engine, model: str) -> int | None:
+        """The context length the engine reports for ``model`` on ``/v1/models`` (None: unknown)."""
+        try:
+            resp = await self._http.get(f"{engine.url}/v1/models", timeout=_MODELS_TIMEOUT_S)
+            data = _decode(resp.content) if resp.status_code == 200 else None
+        except (httpx.HTTPError, msgspec.DecodeError):
+            return None
+        cards = data.get("data") if isinstance(data, dict) else None
+        for card in cards if isinstance(cards, list) else []:
+            length = card.get("max_model_len") if isinstance(card, dict) else None
+            if card.get("id") == model and isinstance(length, int):
+                return length
+        return None
+
+
+async def _chunks(engine: Engine, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for event in EventSource(resp).aiter_sse():
+            if event.data == "[DONE]":
+                return
+            chunk = _decode(event.data)
+            if not isinstance(chunk, dict):
+                raise UpstreamUnavailable(f"engine {engine.url} sent a chunk that is not an object")
+            if "error" in chunk:
+                err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                raise EngineStreamError(f"engine error: {err.get('message', chunk['error'])}")
+            yield chunk
+    except httpx.TimeoutException as exc:
+        raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamUnavailable(f"engine {engine.url} stream broke: {exc.__class__.__name__}") from exc
+    except msgspec.DecodeError as exc:
+        raise UpstreamUnavailable(f"engine {engine.url} sent a chunk that is not JSON") from exc
+    raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
+
+
+def _send_failed(engine: Engine, exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:
+    name = exc.__class__.__name__
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return EngineUnreachable(f"engine {engine.url} unreachable: {name}")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"engine {engine.url} timed out")
+    return UpstreamUnavailable(f"engine {engine.url} unreachable: {name}")
+
+
+def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
+    """4xx with an OpenAI error body (and 503: the engine's own admission) is the client's answer;
+    a bare 4xx (a route the engine lacks) and 5xx are the engine's failure."""
+    if status == 200:
+        return
+    has_body = isinstance(data, dict) and isinstance(data.get("error"), dict)
+    if (400 <= status < 500 or status == 503) and has_body:
+        raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
+    log.warning("engine %s answered HTTP %s on its OpenAI API", engine.url, status)
+    raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status} on its OpenAI API")
+
+
+def _json_or_none(content: bytes) -> Any:
+    try:
+        return _decode(content)
+    except msgspec.DecodeError:
+        return None

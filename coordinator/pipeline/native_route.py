@@ -1,0 +1,290 @@
+"""The native route: a request served by an engine's own OpenAI API instead of the token-only path.
+
+Why it exists: render and derender live in the same sidecar, so a request tokenized locally while the
+sidecar is down (``render.py``, the render fallback) cannot be derendered; and an engine fleet whose
+token-only route is missing (every attempt answered a bare 404 or a 501) cannot take token ids at all.
+Engines marked ``native_api`` (``vllm serve --enable-scale-out``) tokenize, sample and detokenize
+themselves, so such a request can still be answered.
+
+Rules, in one place:
+
+* **When.** ``ctx.route == "native"`` (set by the render fallback), or the token-only route raised
+  ``TokenRouteMissing`` before anything reached the client (``ctx.visible`` false). Never after a
+  chunk was sent, never with token obfuscation on (the engine would see plain ids and text: refused,
+  fail closed, 503), never for P/D: union placements on ``native_api`` engines only.
+* **Admission and placement** as on the token-only path: one reservation for the whole request
+  (every prompt's ids + ``max_tokens * n``), the scheduler's filters and scorers over the union
+  engines marked ``native_api``, the engine's breaker fed by the outcome (a client error is a success
+  for the engine). A failure before the first chunk may go to another native engine
+  (``resilience.retries``); the budget is released however the request ends.
+* **The body** is the client's validated OpenAI body (``model`` = the served name) plus an explicit
+  ``max_tokens`` when the client set none (the coordinator's default cap, and what admission
+  reserved). The engine's response ``id`` becomes ``ctx.response_id``; everything else is the engine's.
+* **Streaming** passes the engine's SSE chunks through. Closing the stream (client gone, failure)
+  closes the engine response, which vLLM turns into an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from coordinator.config import ResilienceSettings
+from coordinator.observability.events import event
+from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.admission.controller import AdmissionController, Grant
+from coordinator.pipeline.catalog import ModelEntry
+from coordinator.pipeline.context import RequestContext
+from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.native import NativeClient
+from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.errors import (
+    PipelineError,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from coordinator.pipeline.scheduling.request import SchedRequest
+from coordinator.pipeline.scheduling.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class ChunkStream(Protocol):
+    """What the SSE writer consumes: ``StreamSession`` (token-only) and ``NativeStream`` offer it."""
+
+    def events(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+    @property
+    def buffered_tokens(self) -> int: ...
+
+
+class NativeRouteRefused(PipelineError):
+    """Token obfuscation is on: nothing may go to an engine's OpenAI API (fail closed)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+class NativeRoute:
+    """Admission, placement on a ``native_api`` union engine, the call, breaker feeding and release."""
+
+    def __init__(self, client: NativeClient, registry: EngineRegistry, scheduler: Scheduler,
+                 admission: AdmissionController, resilience: ResilienceSettings,
+                 metrics: Metrics | None = None, *, obfuscated: Callable[[], bool] = lambda: False) -> None:
+        """``obfuscated`` says whether token obfuscation is on (read per request)."""
+        self.client = client
+        self._registry = registry
+        self._scheduler = scheduler
+        self._admission = admission
+        self._resilience = resilience
+        self._metrics = metrics
+        self._obfuscated = obfuscated
+        self._context_lengths: dict[str, int] = {}
+
+    # -- may the request take this route? ------------------------------------------------------
+    def refusal(self, model: str, why: str) -> PipelineError | None:
+        """The error to answer instead, when the native route cannot serve ``model``; ``why`` says what
+        made the token-only route impossible (it leads the message)."""
+        if self._obfuscated():
+            return NativeRouteRefused(f"{why}, and token obfuscation forbids the native OpenAI route")
+        if not self._native_engines(model):
+            return UpstreamUnavailable(f"{why}, and no engine serves the OpenAI API for model {model!r} "
+                                       f"(engines[].native_api)")
+        return None
+
+    def available(self) -> bool:
+        """Some healthy engine could serve a request through its OpenAI API now (readiness)."""
+        return not self._obfuscated() and any(
+            e.native_api and e.role == "union" and e.healthy for e in self._registry.engines)
+
+    def takes_over(self, ctx: RequestContext, error: PipelineError) -> bool:
+        """After the token-only route failed with ``error`` (TokenRouteMissing): switch to this route
+        when nothing was sent yet and the route may serve the model."""
+        if ctx.visible or self.refusal(ctx.model, error.message) is not None:
+            return False
+        ctx.route = "native"
+        event(log, "native_route", ctx.request_id, level=logging.WARNING, reason=error.message)
+        return True
+
+    async def context_length(self, entry: ModelEntry) -> int | None:
+        """``max_model_len`` when render never answered: configured or learned, else what a native
+        engine reports on ``/v1/models`` (remembered)."""
+        if entry.max_model_len is not None:
+            return entry.max_model_len
+        if entry.name in self._context_lengths:
+            return self._context_lengths[entry.name]
+        for engine in self._native_engines(entry.name):
+            found = await self.client.max_model_len(engine, entry.name)
+            if found is not None:
+                self._context_lengths[entry.name] = found
+                return found
+        return None
+
+    # -- serving -------------------------------------------------------------------------------
+    async def complete(self, ctx: RequestContext) -> dict[str, Any]:
+        """A non-streaming request through an engine's OpenAI API."""
+        req, body = self._prepare(ctx)
+        started = time.monotonic()
+        tries = 0
+        while True:
+            grant = await self._admit(req)
+            engine = grant.placement.engine
+            try:
+                out = await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
+            except BaseException as exc:
+                self._failed(engine, exc, req)
+                if self._retry(exc, req, tries):
+                    tries += 1
+                    continue
+                raise
+            else:
+                self._registry.record_success(engine)
+            finally:
+                self._release(grant)
+            out["id"] = ctx.response_id
+            event(log, "leg", ctx.request_id, engine=engine.url, phase="native", result="ok",
+                  latency_ms=round((time.monotonic() - started) * 1000, 2))
+            return out
+
+    async def open_stream(self, ctx: RequestContext) -> NativeStream:
+        """Open the engine stream (HTTP 200) before the client's response headers go out."""
+        req, body = self._prepare(ctx)
+        tries = 0
+        while True:
+            grant = await self._admit(req)
+            engine = grant.placement.engine
+            stack = contextlib.AsyncExitStack()
+            try:
+                chunks = await stack.enter_async_context(
+                    self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
+            except BaseException as exc:
+                await stack.aclose()
+                self._release(grant)
+                self._failed(engine, exc, req)
+                if self._retry(exc, req, tries):
+                    tries += 1
+                    continue
+                raise
+            self._registry.record_success(engine)
+            event(log, "leg", ctx.request_id, engine=engine.url, phase="native", result="streaming")
+            return NativeStream(ctx, self, grant, stack, chunks, req)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _prepare(self, ctx: RequestContext) -> tuple[SchedRequest, dict[str, Any]]:
+        error = self.refusal(ctx.model, "the token-only route is unavailable")
+        if error is not None:
+            raise error
+        ctx.route = "native"
+        plans = ctx.prompts
+        body = dict(ctx.body)
+        if plans and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = min(p.max_tokens for p in plans)
+        # One reservation for the whole request: the first prompt's ids (what the engine's prefix cache
+        # will hold), and every other prompt and output token in max_tokens.
+        first = plans[0].prompt_token_ids if plans else []
+        cost = sum(p.prompt_tokens + p.max_tokens * p.n for p in plans) - len(first)
+        salt = body.get("cache_salt")
+        req = SchedRequest(request_id=ctx.request_id, model=ctx.model, prompt_token_ids=first,
+                           max_tokens=max(1, cost), priority=ctx.priority,
+                           cache_salt=salt if isinstance(salt, str) else None, native_api=True)
+        return req, body
+
+    def _native_engines(self, model: str) -> list[Engine]:
+        """Union engines marked native_api for ``model`` whatever their state, healthy ones first."""
+        engines = [e for e in self._registry.engines
+                   if e.native_api and e.role == "union" and e.serves(model)]
+        return sorted(engines, key=lambda e: not e.healthy)
+
+    async def _admit(self, req: SchedRequest) -> Grant:
+        return await self._admission.admit(req, self._scheduler.place)
+
+    def _release(self, grant: Grant) -> None:
+        grant.release()
+        self._registry.on_idle(grant.placement.engine)
+
+    def _retry(self, exc: BaseException, req: SchedRequest, tries: int) -> bool:
+        """Another native engine may take a request whose engine failed (not the request) before any
+        chunk was sent, within ``resilience.retries``."""
+        if tries >= self._resilience.retries or isinstance(exc, EngineStreamError):
+            return False
+        if not isinstance(exc, UpstreamUnavailable):
+            return False
+        others = [e for e in self._registry.eligible(req.model, "union")
+                  if e.native_api and e.url not in req.exclude]
+        if others:
+            log.warning("native route: retrying %s on another engine after: %s", req.request_id, exc)
+            if self._metrics is not None:
+                self._metrics.retries.inc()
+        return bool(others)
+
+    def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
+        """Feed the breaker as the token-only path does; steer a retry away from a failed engine."""
+        if isinstance(exc, asyncio.CancelledError):
+            self._registry.release_trial(engine)
+        elif isinstance(exc, UpstreamClientError):
+            self._registry.record_success(engine)  # the engine answered; the request was at fault
+        elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
+            req.exclude.add(engine.url)
+            event(log, "leg", req.request_id, level=logging.WARNING, engine=engine.url, phase="native",
+                  result=type(exc).__name__, error=str(exc))
+            if self._metrics is not None:
+                self._metrics.engine_failures.labels(engine.url).inc()
+            if isinstance(exc, EngineUnreachable):
+                self._registry.mark_failed(engine)
+            else:
+                self._registry.record_failure(engine)
+
+
+class NativeStream:
+    """One native engine stream as the SSE writer sees it; owns the grant until closed."""
+
+    def __init__(self, ctx: RequestContext, route: NativeRoute, grant: Grant,
+                 stack: contextlib.AsyncExitStack, chunks: AsyncIterator[dict[str, Any]],
+                 req: SchedRequest) -> None:
+        self.ctx = ctx
+        self._route = route
+        self._grant = grant
+        self._stack = stack
+        self._chunks = chunks
+        self._req = req
+        self._closed = False
+
+    @property
+    def buffered_tokens(self) -> int:
+        return 0  # chunks are passed on one at a time; the engine's socket holds the rest
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The engine's chunks with the response id rewritten. Raises on failure (after feeding the
+        engine's breaker: a mid-stream failure is the engine's)."""
+        engine = self._grant.placement.engine
+        try:
+            async for chunk in self._chunks:
+                chunk["id"] = self.ctx.response_id
+                self.ctx.visible = True
+                yield chunk
+        except (UpstreamUnavailable, UpstreamTimeout) as exc:
+            self._route._failed(engine, exc, self._req)
+            raise
+
+    async def aclose(self) -> None:
+        """Close the engine response (vLLM aborts the request) and give the budget back."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stack.aclose()
+        finally:
+            self._route._release(self._grant)
+
+
+def _attempt_id(ctx: RequestContext) -> str:
+    """Unique per attempt even when clients reuse an X-Request-Id (vLLM keys running requests by it)."""
+    return f"{ctx.request_id}-n{secrets.token_hex(3)}"

@@ -1,0 +1,182 @@
+"""The native route's own rules, with engines played by httpx.MockTransport: who may take it, the id
+rewrite, breaker feeding, retries on another native engine, and that budgets are always released."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import build_app
+from coordinator.config import EngineSettings, ModelSettings, Settings
+from coordinator.pipeline.admission.budget import TokenLedger
+from coordinator.pipeline.admission.controller import AdmissionController
+from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.engines.native import NativeClient
+from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.pipeline.errors import TokenRouteMissing, UpstreamClientError, UpstreamUnavailable
+from coordinator.pipeline.native_route import NativeRoute, NativeRouteRefused
+from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
+
+MODEL = "m"
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def settings(*engines: EngineSettings) -> Settings:
+    return Settings(engines=list(engines), models=[ModelSettings(name=MODEL)])
+
+
+def route(cfg: Settings, handler: Handler, obfuscated: bool = False) -> tuple[NativeRoute, EngineRegistry]:
+    registry = EngineRegistry(cfg, httpx.AsyncClient())
+    ledger = TokenLedger(None)
+    admission = AdmissionController(cfg.admission, ledger)
+    scheduler = Scheduler(registry, build_profile(cfg.scheduling, ledger.engine_room, None), index=None,
+                          block_size=16, learn=False, topology=cfg.topology)
+    client = NativeClient(cfg.engine_client, transport=httpx.MockTransport(handler))
+    return NativeRoute(client, registry, scheduler, admission, cfg.resilience,
+                       obfuscated=lambda: obfuscated), registry
+
+
+def ctx(stream: bool = False) -> RequestContext:
+    c = RequestContext(kind="chat", request_id="abc", body={"model": MODEL, "messages": [], "stream": stream},
+                       model=MODEL, stream=stream, include_usage=False)
+    c.prompts = [PromptPlan(0, {"sampling_params": {"max_tokens": 7}}, [1, 2, 3], 1, StopSpec(()))]
+    c.route = "native"
+    return c
+
+
+def openai_answer(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    assert body["max_tokens"] == 7 and body["model"] == MODEL
+    if body["stream"]:
+        frames = "".join(f"data: {json.dumps({'id': 'chatcmpl-engine', 'choices': [{'index': 0, 'delta': {'content': t}}]})}\n\n"
+                         for t in ("Pa", "ris"))
+        return httpx.Response(200, text=frames + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+    return httpx.Response(200, json={"id": "chatcmpl-engine", "choices": [{"index": 0, "message": {"content": "Paris"}}]})
+
+
+def held(registry: EngineRegistry) -> int:
+    return sum(e.inflight_requests + e.inflight_tokens for e in registry.engines)
+
+
+def test_who_may_take_the_native_route() -> None:
+    plain = settings(EngineSettings(url="http://a"))
+    native = settings(EngineSettings(url="http://a"), EngineSettings(url="http://b", native_api=True))
+    pd_native = settings(EngineSettings(url="http://b", native_api=True, role="decode"))
+    assert isinstance(route(plain, openai_answer)[0].refusal(MODEL, "render is down"), UpstreamUnavailable)
+    assert "no engine serves the OpenAI API" in str(route(plain, openai_answer)[0].refusal(MODEL, "x"))
+    assert route(pd_native, openai_answer)[0].refusal(MODEL, "x") is not None  # union only
+    assert route(native, openai_answer)[0].refusal(MODEL, "x") is None
+    refused = route(native, openai_answer, obfuscated=True)[0].refusal(MODEL, "x")
+    assert isinstance(refused, NativeRouteRefused) and refused.status == 503
+
+
+def test_takes_over_only_before_anything_was_sent() -> None:
+    r, _ = route(settings(EngineSettings(url="http://b", native_api=True)), openai_answer)
+    c = ctx()
+    c.route = "tokens"
+    c.visible = True
+    assert not r.takes_over(c, TokenRouteMissing("404"))
+    c.visible = False
+    assert r.takes_over(c, TokenRouteMissing("404")) and c.route == "native"
+    obf, _ = route(settings(EngineSettings(url="http://b", native_api=True)), openai_answer, obfuscated=True)
+    assert not obf.takes_over(ctx(), TokenRouteMissing("404"))
+
+
+def test_complete_goes_to_a_native_engine_only_and_rewrites_the_id() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host}{request.url.path}")
+        return openai_answer(request)
+
+    r, registry = route(settings(EngineSettings(url="http://a"), EngineSettings(url="http://b", native_api=True)),
+                        handler)
+    out = asyncio.run(r.complete(ctx()))
+    assert out["id"] == "chatcmpl-abc" and out["choices"][0]["message"]["content"] == "Paris"
+    assert seen == ["b/v1/chat/completions"] and held(registry) == 0
+
+
+def test_stream_passes_chunks_through_and_releases_on_close() -> None:
+    r, registry = route(settings(EngineSettings(url="http://b", native_api=True)), openai_answer)
+
+    async def go() -> list[dict[str, Any]]:
+        c = ctx(stream=True)
+        stream = await r.open_stream(c)
+        assert held(registry) > 0
+        try:
+            chunks = [chunk async for chunk in stream.events()]
+        finally:
+            await stream.aclose()
+        assert c.visible
+        return chunks
+
+    chunks = asyncio.run(go())
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["Pa", "ris"]
+    assert {c["id"] for c in chunks} == {"chatcmpl-abc"} and held(registry) == 0
+    assert r.client.open_streams == 0
+
+
+def test_engine_failure_is_retried_on_another_native_engine_and_fed_to_its_breaker() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            return httpx.Response(500, text="boom")
+        return openai_answer(request)
+
+    cfg = settings(EngineSettings(url="http://b", native_api=True), EngineSettings(url="http://c", native_api=True))
+    cfg.resilience.breaker_failures = 1
+    r, registry = route(cfg, handler)
+    for _ in range(2):  # whichever engine the scheduler tries first, the answer comes from c
+        assert asyncio.run(r.complete(ctx()))["id"] == "chatcmpl-abc"
+    b = registry.get("http://b")
+    assert b is not None and b.breaker.state == "open" and held(registry) == 0
+
+
+def test_a_client_error_is_returned_and_does_not_count_against_the_engine() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "too long", "type": "BadRequestError",
+                                                   "param": None, "code": 400}})
+
+    cfg = settings(EngineSettings(url="http://b", native_api=True))
+    cfg.resilience.breaker_failures = 1
+    r, registry = route(cfg, handler)
+    with pytest.raises(UpstreamClientError) as err:
+        asyncio.run(r.complete(ctx()))
+    assert err.value.status == 400 and registry.engines[0].breaker.state == "closed" and held(registry) == 0
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_and_feeds_the_breaker() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        frames = 'data: {"id": "x", "choices": []}\n\ndata: {"error": {"message": "engine died"}}\n\n'
+        return httpx.Response(200, text=frames, headers={"content-type": "text/event-stream"})
+
+    cfg = settings(EngineSettings(url="http://b", native_api=True))
+    cfg.resilience.breaker_failures = 1
+    r, registry = route(cfg, handler)
+
+    async def go() -> None:
+        stream = await r.open_stream(ctx(stream=True))
+        try:
+            with pytest.raises(UpstreamUnavailable, match="engine died"):
+                async for _ in stream.events():
+                    pass
+        finally:
+            await stream.aclose()
+
+    asyncio.run(go())
+    assert registry.engines[0].breaker.state == "open" and held(registry) == 0
+
+
+def test_responses_and_messages_are_404_with_an_openai_body() -> None:
+    client = TestClient(build_app(settings(EngineSettings(url="http://a"))))  # no lifespan: nothing starts
+    for path in ("/v1/responses", "/v1/messages"):
+        r = client.post(path, json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["type"] == "NotFoundError" and err["code"] == 404 and "not served" in err["message"]
