@@ -20,6 +20,7 @@ from httpx_sse import EventSource
 from coordinator.config import EngineClientSettings
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
+    TokenRouteMissing,
     UpstreamClientError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -188,5 +189,8 @@ def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
         raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
     if status == 404 and isinstance(data, dict) and isinstance(data.get("error"), dict):
         raise UpstreamClientError(status, data, "engine does not serve this model")
+    if status in (404, 501):  # a bare 404 (no OpenAI error body) or 501: no token-only route here
+        raise TokenRouteMissing(f"engine {engine.url} does not serve /inference/v1/generate "
+                                f"(HTTP {status})")
     raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status}")
 
