@@ -25,6 +25,7 @@ from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.engines.client import EngineClient
+from coordinator.pipeline.engines.obfuscating import build_engine_client
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
@@ -56,7 +57,7 @@ class Components:
 def build_components(settings: Settings) -> Components:
     metrics = Metrics()
     sidecar = SidecarClient(settings.render)
-    engines = EngineClient(settings.engine_client)
+    engines = build_engine_client(settings)  # maps token ids to physical ones when obfuscation is on
     registry = EngineRegistry(settings, engines.http, metrics)
     adm = settings.admission
     ledger = TokenLedger(adm.global_tokens if adm.enabled else None)

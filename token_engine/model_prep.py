@@ -15,6 +15,10 @@ and a marker file (file list, sizes and SHA-256) was written into it, so an inte
 leaves a folder that looks usable. A second run only checks the marker and returns at once.
 
 CLI: ``python -m token_engine.model_prep [--cache-dir DIR] [--verify]``; prints the model folder.
+
+Token obfuscation (docs/decisions.md): ``write_obfuscated_copy`` writes a copy of a prepared folder
+whose vocabulary is permuted with a key, for an engine that must only ever see physical token ids.
+CLI: ``python -m token_engine.model_prep --obfuscated-copy KEYFILE DEST``; prints DEST.
 """
 
 from __future__ import annotations
@@ -329,6 +333,192 @@ def ensure_model(
         return target
 
 
+# ---------------------------------------------------------------------------------------------------
+# Obfuscated copy: physical row perm(s) of the input embedding (and of an untied LM head) holds semantic
+# row s, so the copy computes on physical ids exactly what the original computes on semantic ones.
+# ---------------------------------------------------------------------------------------------------
+
+OBFUSCATED_MARKER = ".llmc-obfuscated.json"
+OBFUSCATED_FORMAT = 1
+# Tensors indexed by token id (rows): input embeddings and output heads under the usual HF names.
+INPUT_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+VOCAB_ROW_SUFFIXES = (*INPUT_EMBEDDING_SUFFIXES, "lm_head.weight", "lm_head.bias", "embed_out.weight")
+# Not copied: they map text to *semantic* ids, which an engine serving this copy must never do (it runs
+# --tokens-only; render and derender keep using the original folder).
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+})
+# Config keys holding token ids besides every ``*_token_id`` / ``*_token_ids`` key.
+ID_CONFIG_KEYS = frozenset({"suppress_tokens", "begin_suppress_tokens", "bad_words_ids"})
+ID_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def _is_id_key(key: str) -> bool:
+    return key.endswith(("_token_id", "_token_ids")) or key in ID_CONFIG_KEYS
+
+
+def map_config_ids(config: dict[str, Any], table: list[int], log: Log = _log,
+                   where: str = "") -> dict[str, Any]:
+    """A copy of a config dict with every token-id value mapped through ``table`` (nested sub-configs
+    too); an id outside the table is left as it is, with a warning (it names no embedding row)."""
+
+    def one(value: Any, key: str) -> Any:
+        if type(value) is int:
+            if 0 <= value < len(table):
+                return table[value]
+            log(f"  {where}{key}: id {value} is outside the vocabulary, left unmapped")
+            return value
+        if isinstance(value, list):
+            return [one(v, key) for v in value]
+        return value
+
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out[key] = map_config_ids(value, table, log, f"{where}{key}.")
+        elif _is_id_key(key):
+            out[key] = one(value, key)
+        else:
+            out[key] = value
+    return out
+
+
+def _copy_is_current(dest: Path, fingerprint: str, source_stamp: str) -> bool:
+    try:
+        data = json.loads((dest / OBFUSCATED_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict) or data.get("format") != OBFUSCATED_FORMAT:
+        return False
+    if data.get("fingerprint") != fingerprint or data.get("source_stamp") != source_stamp:
+        return False
+    files = data.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    try:
+        return all((dest / rel).stat().st_size == size for rel, size in files.items())
+    except OSError:
+        return False
+
+
+def _source_stamp(source: Path) -> str:
+    """Changes when the source's weights or configs change (names, sizes, mtimes; no re-hashing)."""
+    parts = []
+    for p in sorted(source.iterdir()):
+        if p.is_file() and (p.suffix == ".safetensors" or p.name in ID_CONFIG_FILES):
+            st = p.stat()
+            parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _permute_safetensors(src: Path, dst: Path, inverse: list[int], vocab_size: int, log: Log) -> list[str]:
+    """Rewrite one weights file with the vocabulary rows permuted; returns the tensors it permuted."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata()
+        names = list(f.keys())
+        rows = [n for n in names if n.endswith(VOCAB_ROW_SUFFIXES)
+                and f.get_slice(n).get_shape()[:1] == [vocab_size]]
+        if not rows:
+            shutil.copy2(src, dst)
+            return []
+        index = torch.tensor(inverse, dtype=torch.long)
+        tensors = {}
+        for name in names:
+            tensor = f.get_tensor(name)
+            # new[physical] = old[semantic(physical)], i.e. row perm(s) of the copy is row s of the source
+            tensors[name] = tensor.index_select(0, index).contiguous() if name in rows else tensor
+    save_file(tensors, str(dst), metadata=metadata)
+    shutil.copymode(src, dst)
+    log(f"  {src.name}: permuted {', '.join(rows)}")
+    return rows
+
+
+def write_obfuscated_copy(
+    source: Path, dest: Path, key_file: Path, *, log: Log = _log,
+) -> Path:
+    """Write ``dest``: ``source`` with its vocabulary permuted by the key in ``key_file``.
+
+    The permutation is ``coordinator.pipeline.obfuscation.KeyedPermutation`` over ``config.json``'s
+    ``vocab_size``, the same one the coordinator builds from the same key file. Embedding and LM-head
+    rows are permuted (a tied head follows the embedding), every token id in ``config.json`` and
+    ``generation_config.json`` (BOS, EOS, pad, ...) is mapped, tokenizer files are left out, the rest is
+    copied. Built in a sibling folder and renamed into place; skipped when ``dest`` already holds the
+    copy for this key and this source.
+    """
+    from coordinator.pipeline.obfuscation import KeyedPermutation, config_vocab_size
+
+    source, dest = Path(source).resolve(), Path(dest).resolve()
+    vocab_size = config_vocab_size(source)
+    if vocab_size is None:
+        raise ModelPrepError(f"{source} has no config.json with a vocab_size")
+    if not list(source.glob("*.safetensors")):
+        raise ModelPrepError(f"{source} has no .safetensors weights")
+    with _step(f"Building the keyed permutation of {vocab_size} token ids", log):
+        perm = KeyedPermutation.from_key_file(vocab_size, key_file)
+    stamp = _source_stamp(source)
+    if _copy_is_current(dest, perm.fingerprint, stamp):
+        log(f"obfuscated copy already written: {dest} (key {perm.fingerprint})")
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked_file(dest.parent / f".{dest.name}.lock"):
+        if _copy_is_current(dest, perm.fingerprint, stamp):
+            log(f"obfuscated copy already written: {dest} (key {perm.fingerprint})")
+            return dest
+        table = perm.physical_table()
+        inverse = perm.to_semantic(range(vocab_size))
+        partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            permuted: list[str] = []
+            for path in sorted(source.iterdir()):
+                if not path.is_file() or path.name in TOKENIZER_FILES or path.name.startswith("."):
+                    continue
+                target = partial / path.name
+                if path.suffix == ".safetensors":
+                    with _step(f"Permuting {path.name} ({path.stat().st_size / 1e6:.0f} MB)", log):
+                        permuted += _permute_safetensors(path, target, inverse, vocab_size, log)
+                elif path.name in ID_CONFIG_FILES:
+                    data = map_config_ids(json.loads(path.read_text(encoding="utf-8")), table, log,
+                                          f"{path.name}: ")
+                    target.write_text(json.dumps(data, indent=2), encoding="utf-8")
+                    log(f"  {path.name}: token ids mapped")
+                else:
+                    shutil.copy2(path, target)
+            if not any(n.endswith(INPUT_EMBEDDING_SUFFIXES) for n in permuted):
+                raise ModelPrepError(f"no input embedding with {vocab_size} rows found in {source}")
+            files = {str(p.relative_to(partial)): p.stat().st_size
+                     for p in sorted(partial.rglob("*")) if p.is_file()}
+            marker = {"format": OBFUSCATED_FORMAT, "source": str(source), "source_stamp": stamp,
+                      "fingerprint": perm.fingerprint, "vocab_size": vocab_size, "permuted": permuted,
+                      "files": files}
+            (partial / OBFUSCATED_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
+            if dest.exists():
+                log(f"replacing {dest} (another key, another source or incomplete)")
+                shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+            os.replace(partial, dest)
+        finally:
+            if partial.exists():
+                shutil.rmtree(partial, ignore_errors=True)
+    log(f"obfuscated copy ready: {dest} (key {perm.fingerprint})")
+    return dest
+
+
+@contextlib.contextmanager
+def _locked_file(path: Path) -> Iterator[None]:
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: prepare (or find) the model and print its folder on stdout's last line."""
     parser = argparse.ArgumentParser(
@@ -338,13 +528,19 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cache folder (default: ${CACHE_ENV} or <repo>/.cache/models)")
     parser.add_argument("--verify", action="store_true",
                         help="re-hash every file of an existing folder instead of trusting sizes")
+    parser.add_argument("--obfuscated-copy", nargs=2, metavar=("KEYFILE", "DEST"), type=Path, default=None,
+                        help="then write a copy with the vocabulary permuted by KEYFILE's bytes to DEST "
+                        "(for a --tokens-only engine behind a coordinator with obfuscation on)")
     args = parser.parse_args(argv)
     try:
         path = ensure_model(args.cache_dir, check_hashes=args.verify)
+        if args.obfuscated_copy is not None:
+            key_file, dest = args.obfuscated_copy
+            path = write_obfuscated_copy(path, dest, key_file)
     except MissingDependencyError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_MISSING_DEPS
-    except (ModelPrepError, OSError) as exc:
+    except (ModelPrepError, OSError, ValueError) as exc:  # ValueError: a bad key (ObfuscationError)
         print(f"error: model preparation failed: {exc}", file=sys.stderr, flush=True)
         return 1
     print(path, flush=True)
