@@ -108,7 +108,7 @@ def test_render_unreachable_from_start_answers_through_local_tokenizer_and_nativ
     assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 10
     fallbacks = [r.getMessage() for r in caplog.records if "event=render_fallback" in r.getMessage()]
     assert fallbacks and "fallback=local_tokenizer" in fallbacks[0] and "request_id=fb-1" in fallbacks[0]
-    rendered = [r.getMessage() for r in caplog.records if "event=render " in r.getMessage()]
+    rendered = [r.getMessage() for r in caplog.records if "event=render request_id=fb-1" in r.getMessage()]
     assert rendered and "tokenizer_source=local" in rendered[0] and "route=native" in rendered[0]
     ready = httpx.get(f"{coord.url}/ready", timeout=10).json()
     assert ready["render"] is False and ready["render_fallback"] is True and ready["ready"] is True
