@@ -25,8 +25,11 @@ from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.engines.client import EngineClient
+from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.obfuscating import build_engine_client
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.local_tokenizer import LocalTokenizers
+from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
@@ -52,6 +55,7 @@ class Components:
     precise: PreciseIndexSource | None
     pipeline: Pipeline
     metrics: Metrics
+    native: NativeRoute | None = None  # engines' OpenAI API: render fallback, missing token route
 
 
 def build_components(settings: Settings) -> Components:
@@ -103,9 +107,13 @@ def build_components(settings: Settings) -> Components:
 
     registry.add_listener(on_engine)
     catalog = ModelCatalog(settings.models, sidecar)
+    native = NativeRoute(NativeClient(settings.engine_client), registry, scheduler, admission,
+                         settings.resilience, metrics, obfuscated=lambda: settings.obfuscation.enabled)
+    local = LocalTokenizers({m.name: m.tokenizer_path or m.path for m in settings.models})
     pipeline = Pipeline(
         catalog=catalog,
-        render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens),
+        render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
+                           native_route=native),
         dispatcher=Dispatcher(engines, registry, scheduler, admission, settings.resilience,
                               settings.topology, metrics),
         derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
@@ -118,7 +126,7 @@ def build_components(settings: Settings) -> Components:
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
-                      pipeline, metrics)
+                      pipeline, metrics, native=native)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -149,6 +157,8 @@ def build_app(settings: Settings) -> FastAPI:
             await c.admission.close()
             await c.registry.stop()
             await c.engines.aclose()
+            if c.native is not None:
+                await c.native.client.aclose()
             await c.sidecar.aclose()
 
     app = FastAPI(title="LLM coordinator", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -157,7 +167,7 @@ def build_app(settings: Settings) -> FastAPI:
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
-                            lambda: c.registry.engines)
+                            lambda: c.registry.engines, c.native.client if c.native is not None else None)
     accounting.export(c.metrics)
     app.state.accounting = accounting
     app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot))
@@ -171,10 +181,12 @@ def build_app(settings: Settings) -> FastAPI:
         sidecars = await c.sidecar.health()
         sidecar_ok = any(sidecars.values())
         engines = {e.url: e.state for e in c.registry.engines}
-        ok = sidecar_ok and c.registry.any_healthy()
+        # Without render, requests still answer through the render fallback (native route).
+        fallback = c.native is not None and c.native.available()
+        ok = (sidecar_ok or fallback) and c.registry.any_healthy()
         return JSONResponse({"ready": ok, "render": sidecar_ok, "render_sidecars": sidecars,
-                             "engines": engines, "inflight": c.pipeline.inflight,
-                             "queued": c.admission.queue_length},
+                             "render_fallback": fallback, "engines": engines,
+                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length},
                             status_code=200 if ok else 503)
 
     if settings.server.metrics:

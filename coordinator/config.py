@@ -37,6 +37,10 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="larger bodies → 413")
     metrics: bool = Field(default=True, description="serve Prometheus metrics on /metrics")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: one JSON object per line; request events carry their fields as "
+        "keys (docs/observability.md)",
+    )
 
 
 class LimitsSettings(BaseModel):

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.observability.events import event
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer, request_view
@@ -28,7 +30,8 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
-from coordinator.pipeline.errors import BadRequest, first_leaf
+from coordinator.pipeline.errors import BadRequest, TokenRouteMissing, first_leaf
+from coordinator.pipeline.native_route import NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.token_ids import check_client_ids
 from coordinator.pipeline.topology.dispatcher import Dispatcher
@@ -42,6 +45,7 @@ class _Finished:
     """Sentinel a producer puts on the queue when its prompt stream ends (with its error, if any)."""
 
     error: BaseException | None = None
+    prompt: int = 0
 
 
 class Pipeline:
@@ -101,19 +105,30 @@ class Pipeline:
                              priority=_priority(body, priority))
         if self._early_refusal is not None:
             self._early_refusal(ctx.priority)
+        started = time.perf_counter()
         await self._render(ctx, entry)
+        event(log, "render", ctx.request_id, model=ctx.model, tokenizer_source=ctx.tokenizer_source,
+              route=ctx.route, prompts=len(ctx.prompts),
+              prompt_tokens=sum(p.prompt_tokens for p in ctx.prompts),
+              latency_ms=round((time.perf_counter() - started) * 1000, 2))
         ctx.derender_request = request_view(ctx)
         return ctx
 
     # -- non-streaming -------------------------------------------------------------------------
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
         """One JSON response. Stop strings need incremental text, so those prompts stream internally."""
+        native = self._render.native_route
+        if ctx.route == "native" and native is not None:  # render fallback (render.py)
+            return await native.complete(ctx)
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels and awaits the siblings
                 tasks = [tg.create_task(self._collect(ctx, p) if p.stop.active
                                         else self._dispatch.generate(ctx, p)) for p in ctx.prompts]
         except BaseExceptionGroup as group:
-            raise first_leaf(group) from None
+            error = first_leaf(group)
+            if isinstance(error, TokenRouteMissing) and native is not None and native.takes_over(ctx, error):
+                return await native.complete(ctx)
+            raise error from None
         responses = [t.result() for t in tasks]
         counted = sum(len(c.get("token_ids") or []) for r in responses for c in r["choices"])
         blank: set[int] = set()  # global indexes whose only token was the hidden stop token
@@ -176,12 +191,20 @@ class Pipeline:
                 tool_call_finish_reason(choice, ctx.body.get("tool_choice"))
 
     # -- streaming -----------------------------------------------------------------------------
-    async def open_stream(self, ctx: RequestContext) -> StreamSession:
+    async def open_stream(self, ctx: RequestContext) -> StreamSession | NativeStream:
         """Open every engine stream before the first byte goes to the client."""
+        native = self._render.native_route
+        if ctx.route == "native" and native is not None:  # render fallback (render.py)
+            return await native.open_stream(ctx)
         session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks, self._coalescing)
         self._sessions.add(session)
         try:
             await session.open()
+        except TokenRouteMissing as exc:  # no engine serves token ids; nothing was sent yet
+            await session.aclose()
+            if native is None or not native.takes_over(ctx, exc):
+                raise
+            return await native.open_stream(ctx)
         except BaseException:
             await session.aclose()
             raise
@@ -214,6 +237,7 @@ class StreamSession:
         self._streams: list[tuple[PromptStream, AsyncIterator[dict[str, Any]]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._end_reason: str | None = None  # None while the client still reads
 
     async def open(self) -> None:
         opened = await asyncio.gather(
@@ -236,9 +260,15 @@ class StreamSession:
             if isinstance(item, _Finished):
                 pending -= 1
                 if item.error is not None:
+                    self._end_reason = f"prompt {item.prompt} failed: {type(item.error).__name__}"
+                    if len(self._tasks) > 1:
+                        event(log, "cancelled", self.ctx.request_id, level=logging.WARNING,
+                              failed_prompt=item.prompt, error=type(item.error).__name__,
+                              cancelled_siblings=self.running_tasks - 1, reason="sibling_failed")
                     raise item.error
                 continue
             yield item
+        self._end_reason = "done"
         if self.ctx.include_usage:
             yield self.usage_chunk()
 
@@ -252,7 +282,7 @@ class StreamSession:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer, which cancels the siblings
-            await self._queue.put(_Finished(exc))
+            await self._queue.put(_Finished(exc, ps.plan.index))
             return
         await self._queue.put(_Finished())
 
@@ -282,6 +312,8 @@ class StreamSession:
         if self._closed:
             return
         self._closed = True
+        if self._end_reason is None and self.running_tasks:
+            event(log, "cancelled", self.ctx.request_id, reason="client_gone", cancelled=self.running_tasks)
         for t in self._tasks:
             t.cancel()
         if self._tasks:

@@ -210,8 +210,6 @@ def test_a_missing_token_route_without_a_native_engine_is_a_502(
         assert r.status_code == 502 and "/inference/v1/generate" in r.json()["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="the dispatcher still counts TokenRouteMissing as an engine failure "
-                   "(Dispatcher._failed); a missing route is a capability, not a sick engine")
 def test_a_missing_token_route_does_not_open_breakers(
         render_sidecar: Any, not_token_engines: tuple[SimulatedEngine, FakeNativeEngine],
         coordinator_factory: CoordinatorFactory) -> None:

@@ -31,7 +31,12 @@ from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.client import EngineClient, EngineStreamError, EngineUnreachable
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
-from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.errors import (
+    TokenRouteMissing,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
 from coordinator.pipeline.topology.engine_stream import EngineStream
@@ -245,6 +250,9 @@ class Dispatcher:
             self._registry.release_trial(engine)
         elif isinstance(exc, UpstreamClientError):
             self._registry.record_success(engine)  # the engine answered; the request was at fault
+        elif isinstance(exc, TokenRouteMissing):
+            req.exclude.add(engine.url)  # healthy, but serves only the OpenAI API (the native route may)
+            self._registry.record_success(engine)
         elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
             req.exclude.add(engine.url)
             if self._metrics is not None:
