@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ssl
 from collections.abc import Callable, Iterator
 
 import httpx
 
 LANE_CONNECTIONS = 8
+
+
+@functools.cache
+def shared_ssl_context() -> ssl.SSLContext:
+    """One TLS context for every client: httpx otherwise loads the CA bundle once per client, and a
+    coordinator builds dozens of lane clients (seconds of start-up on a busy 2-core machine)."""
+    return httpx.create_ssl_context()
 
 
 class Lanes:

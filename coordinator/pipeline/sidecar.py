@@ -39,7 +39,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import Lanes
+from coordinator.pipeline.http_lanes import Lanes, shared_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class SidecarClient:
         self._clock = clock
         def client(url: str) -> Callable[[httpx.Limits], httpx.AsyncClient]:
             return lambda limits: httpx.AsyncClient(base_url=url, transport=transport, limits=limits,
+                                                    verify=shared_ssl_context(),
                                                     timeout=httpx.Timeout(settings.timeout_s))
 
         self.sidecars = [Sidecar(url, i, Lanes(settings.max_connections, client(url), KEEPALIVE_EXPIRY_S))

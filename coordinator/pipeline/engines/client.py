@@ -25,7 +25,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import Lanes
+from coordinator.pipeline.http_lanes import Lanes, shared_ssl_context
 
 log = logging.getLogger(__name__)
 # msgspec: one decode per engine chunk is the hot path (several times faster than json.loads).
@@ -52,7 +52,8 @@ class EngineClient:
         # Small pools (see http_lanes): every open stream holds a connection, and one big pool would
         # make opening each new stream scan all of them.
         self._lanes = Lanes(settings.max_connections,
-                            lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits))
+                            lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits,
+                                                              verify=shared_ssl_context()))
         self._aborts: set[asyncio.Task[None]] = set()
         self.open_streams = 0  # generate responses held open (a leak shows here: /admin/accounting)
 
