@@ -180,3 +180,28 @@ def test_responses_and_messages_are_404_with_an_openai_body() -> None:
         assert r.status_code == 404
         err = r.json()["error"]
         assert err["type"] == "NotFoundError" and err["code"] == 404 and "not served" in err["message"]
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (404, {"detail": "Not Found"}, TokenRouteMissing),
+    (501, None, TokenRouteMissing),
+    (403, {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with "
+                                "--enable-scale-out to enable them.", "type": "PermissionDeniedError",
+                     "param": None, "code": 403}}, TokenRouteMissing),
+    (403, {"error": {"message": "forbidden", "type": "PermissionDeniedError", "param": None, "code": 403}},
+     UpstreamClientError),
+    (404, {"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "param": None,
+                     "code": 404}}, UpstreamClientError),
+    (500, None, UpstreamUnavailable),
+])
+def test_what_an_engine_status_means_for_the_token_route(status: int, body: Any, expected: type) -> None:
+    """Only a missing route (bare 404, 501, vLLM's 'scale-out disabled' 403) may send a request to the
+    native route; a model 404 or another 403 is the client's error."""
+    from coordinator.pipeline.engines.breaker import CircuitBreaker
+    from coordinator.pipeline.engines.client import _raise_for_status
+    from coordinator.pipeline.engines.registry import Engine
+
+    engine = Engine(url="http://e0", role="union", model=None, weight=1.0, token_budget=1,
+                    breaker=CircuitBreaker(3, 10.0))
+    with pytest.raises(expected):
+        _raise_for_status(engine, status, body)

@@ -176,6 +176,9 @@ class EngineClient:
             log.warning("abort of %s on %s failed: %s", request_id, engine.url, exc.__class__.__name__)
 
 
+_SCALE_OUT_DISABLED = "Scale-out endpoints are disabled"
+
+
 def _json_or_none(content: bytes) -> Any:
     try:
         return _decode(content)
@@ -186,6 +189,11 @@ def _json_or_none(content: bytes) -> Any:
 def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
     if status == 200:
         return
+    if status == 403 and _SCALE_OUT_DISABLED in str(((data or {}).get("error") or {}).get("message", "")
+                                                    if isinstance(data, dict) else ""):
+        # A plain `vllm serve` (no --enable-scale-out) refuses the token route with this 403: the
+        # engine is healthy, the route is missing, not the client's fault.
+        raise TokenRouteMissing(f"engine {engine.url} has the scale-out routes disabled (HTTP 403)")
     if (400 <= status < 500 and status != 404) or status == 503:
         raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
     if status == 404 and isinstance(data, dict) and isinstance(data.get("error"), dict):
