@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -56,6 +56,32 @@ class Components:
     pipeline: Pipeline
     metrics: Metrics
     native: NativeRoute | None = None  # engines' OpenAI API: render fallback, missing token route
+    _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+
+    async def start(self) -> None:
+        """Start the background work (KV-event feeds, health probes, learning the model's limits).
+
+        Plain methods rather than a FastAPI lifespan, so any front door or an embedding application
+        can run the pipeline."""
+        if self.precise is not None:
+            for e in self.registry.engines:
+                if e.kv_events:
+                    await self.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
+        await self.registry.start()
+        self._sync = asyncio.create_task(_sync_catalog(self))
+
+    async def aclose(self) -> None:
+        """Stop background work and close every client (waiting for pending engine aborts)."""
+        if self._sync is not None:
+            self._sync.cancel()
+        if self.precise is not None:
+            await self.precise.stop_all()
+        await self.admission.close()
+        await self.registry.stop()
+        await self.engines.aclose()
+        if self.native is not None:
+            await self.native.client.aclose()
+        await self.sidecar.aclose()
 
 
 def build_components(settings: Settings) -> Components:
@@ -142,24 +168,11 @@ def build_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if c.precise is not None:
-            for e in c.registry.engines:
-                if e.kv_events:
-                    await c.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
-        await c.registry.start()
-        sync = asyncio.create_task(_sync_catalog(c))
+        await c.start()
         try:
             yield
         finally:
-            sync.cancel()
-            if c.precise is not None:
-                await c.precise.stop_all()
-            await c.admission.close()
-            await c.registry.stop()
-            await c.engines.aclose()
-            if c.native is not None:
-                await c.native.client.aclose()
-            await c.sidecar.aclose()
+            await c.aclose()
 
     app = FastAPI(title="LLM coordinator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.components = c

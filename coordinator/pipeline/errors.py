@@ -215,6 +215,10 @@ class DerenderTimeout(ResponseStageError):
     type = "GatewayTimeoutError"
 
 
+class ClientGone(Exception):
+    """The client left before its answer (or its stream) was ready; nothing is owed to it."""
+
+
 def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first real error inside a task group's exception group (what the client should see)."""
     exc: BaseException = group

@@ -1,8 +1,9 @@
 """The request lifecycle, HTTP-free: validate → render → dispatch → derender.
 
-Front doors (OpenAI HTTP, later NNRP) call ``begin`` and then ``complete`` (JSON) or
-``open_stream`` (chunks). Everything acquired for a request is released in ``finally`` blocks
-here, whichever way the request ends.
+Front doors (OpenAI HTTP, NNRP) call ``serve``: one request, counted in flight, raced against the
+client leaving, answered as JSON or as an open chunk stream the door writes and then closes. The
+stages (``begin``, ``complete``, ``open_stream``) stay public for tests and benchmarks. Everything
+acquired for a request is released in ``finally`` blocks here, whichever way the request ends.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from coordinator.observability.events import event
 from coordinator.pipeline.catalog import ModelCatalog
@@ -30,14 +31,32 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
-from coordinator.pipeline.errors import BadRequest, TokenRouteMissing, first_leaf
-from coordinator.pipeline.native_route import NativeStream
+from coordinator.pipeline.errors import ClientGone, TokenRouteMissing, first_leaf
+from coordinator.pipeline.native_route import ChunkStream, NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.token_ids import check_client_ids
 from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.validation import validate_request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+Gone = Callable[[], Awaitable[None]]  # completes when the client has left
+
+
+@dataclass
+class Served:
+    """What ``Pipeline.serve`` hands a front door: a JSON response, or a stream to write and close."""
+
+    ctx: RequestContext
+    response: dict[str, Any] | None = None
+    stream: ChunkStream | None = None
+    _release: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
+
+    async def aclose(self) -> None:
+        """Release the stream (engine requests, quotas, the in-flight count); idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            await release()
 
 
 @dataclass
@@ -89,11 +108,35 @@ class Pipeline:
         finally:
             self.inflight -= 1
 
+    async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
+                    gone: Gone | None = None) -> Served:
+        """One client request, whatever the door: validate → render → admission → scheduling →
+        generate → derender. Raises a ``PipelineError`` for the client, or ``ClientGone`` when ``gone``
+        completes first (what was acquired is released either way). A streaming answer holds its
+        resources until the door awaits ``Served.aclose()``.
+
+        ``priority`` is the door's own priority signal (e.g. a header), used when the body has none."""
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.track())
+        try:
+            ctx = await self.begin(kind, body, request_id, priority)
+            if not ctx.stream:
+                response = await _unless_gone(gone, self.complete(ctx))
+                await stack.aclose()
+                return Served(ctx, response=response)
+            # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
+            session = await _unless_gone(gone, self.open_stream(ctx))
+            stack.push_async_callback(session.aclose)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return Served(ctx, stream=session, _release=stack.aclose)
+
     async def begin(self, kind: Kind, body: Any, request_id: str | None,
-                    priority: str | None = None) -> RequestContext:
+                    priority: int | None = None) -> RequestContext:
         """Validate and render; after this the prompt token ids are known.
 
-        ``priority`` is the priority header's value, used when the body has no ``priority``."""
+        ``priority`` applies when the body has no ``priority`` (default 0)."""
         body = validate_request(kind, body, strict=self._strict)
         entry = self.catalog.resolve(body.get("model"))
         body = {**body, "model": entry.name}
@@ -211,15 +254,29 @@ class Pipeline:
         return session
 
 
-def _priority(body: dict[str, Any], header: str | None) -> int:
+def _priority(body: dict[str, Any], door: int | None) -> int:
     if body.get("priority") is not None:
         return int(body["priority"])  # validated as an integer
-    if header is None or not header.strip():
-        return 0
+    return door if door is not None else 0
+
+
+async def _unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it (releasing everything it holds) if the client leaves first."""
+    if gone is None:
+        return await work
+    main = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(gone())
     try:
-        return int(header)
-    except ValueError:
-        raise BadRequest(f"The priority header must be an integer, got {header!r}") from None
+        await asyncio.wait({main, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await main
+            watch.cancel()
+            raise ClientGone()
+        watch.cancel()
+    return main.result()
 
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import re
 import uuid
@@ -19,14 +17,10 @@ from coordinator.api.openai.sse import OwningStreamingResponse, sse_body
 from coordinator.config import Settings
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import Kind, RequestContext
-from coordinator.pipeline.errors import PipelineError
+from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
 from coordinator.pipeline.service import Pipeline
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client closed the connection before a non-streaming answer was ready."""
 
 
 def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> APIRouter:
@@ -37,32 +31,20 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     async def handle(kind: Kind, request: Request) -> Response:
         request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
         headers = {"X-Request-Id": request_id}
-        stack = contextlib.AsyncExitStack()
-        await stack.enter_async_context(pipeline.track())
         try:
             auth(request.headers.get("authorization"))
             body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
                                         max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
-            ctx = await pipeline.begin(kind, body, request_id, priority=request.headers.get(priority_header))
-            if not ctx.stream:
-                result = await _unless_client_leaves(request, pipeline.complete(ctx))
-                return JSONResponse(result, headers={**headers, **route_headers(ctx)})
-            # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
-            session = await _unless_client_leaves(request, pipeline.open_stream(ctx))
-            stack.push_async_callback(session.aclose)
-            headers.update(route_headers(ctx))
+            served = await pipeline.serve(kind, body, request_id,
+                                          priority=header_priority(request.headers.get(priority_header)),
+                                          gone=lambda: _disconnected(request))
         except PipelineError as exc:
-            await stack.aclose()
             return error_response(exc, request_id)
         except ClientGone:
-            await stack.aclose()
             return Response(status_code=499)
-        except BaseException:
-            await stack.aclose()
-            raise
-        else:
-            if not ctx.stream:
-                await stack.aclose()
+        headers.update(route_headers(served.ctx))
+        if served.stream is None:
+            return JSONResponse(served.response, headers=headers)
 
         def on_error(exc: BaseException) -> None:
             if not isinstance(exc, PipelineError):
@@ -70,7 +52,7 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
             else:
                 log.warning("stream %s failed: %s", request_id, exc.message)
 
-        return OwningStreamingResponse(sse_body(session, on_error), stack.aclose, headers)
+        return OwningStreamingResponse(sse_body(served.stream, on_error), served.aclose, headers)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -141,23 +123,17 @@ def client_request_id(header: str | None, max_length: int) -> str:
     return uuid.uuid4().hex
 
 
-async def _unless_client_leaves(request: Request, work: Any) -> Any:
-    """Run ``work`` but cancel it (releasing everything it holds) if the client disconnects."""
+async def _disconnected(request: Request) -> None:
+    """Completes when the client closes the connection (what ``Pipeline.serve`` races against)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
 
-    main = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
+def header_priority(value: str | None) -> int | None:
+    """The priority header as an integer (None when absent or blank); anything else is a 400."""
+    if value is None or not value.strip():
+        return None
     try:
-        await asyncio.wait({main, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not main.done():
-            main.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await main
-            watch.cancel()
-            raise ClientGone()
-        watch.cancel()
-    return main.result()
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"The priority header must be an integer, got {value!r}") from None
