@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.api.admin import build_admin_router
 from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.nnrp.routes import build_nnrp_router
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
 from coordinator.config import Settings
@@ -179,6 +180,8 @@ def build_app(settings: Settings) -> FastAPI:
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
+    if settings.nnrp.enabled:
+        app.include_router(build_nnrp_router(c.pipeline, auth, settings))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
                             lambda: c.registry.engines, c.native.client if c.native is not None else None)
     accounting.export(c.metrics)

@@ -326,6 +326,28 @@ class ObfuscationSettings(BaseModel):
         return self
 
 
+class NnrpSettings(BaseModel):
+    """The NNRP front door: WebSocket sessions at ``/nnrp/v1`` on the server's port (docs/nnrp.md)."""
+
+    enabled: bool = Field(default=True, description="serve /nnrp/v1 and /nnrp/v1/capabilities")
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="close a session (4408) that sent no frame for this long"
+    )
+    heartbeat_s: float = Field(
+        default=15.0, gt=0, description="the server sends a ping frame this often; a pong keeps the session"
+    )
+    max_frame_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, le=16 * 1024 * 1024,
+        description="larger client frames get a frame_too_large error frame (the session goes on)",
+    )
+    initial_credits: int = Field(
+        default=64, ge=0, description="result frames an operation may receive before the client grants more"
+    )
+    max_operations: int = Field(
+        default=256, ge=1, description="open operations per session; a submit beyond it is refused"
+    )
+
+
 class Settings(BaseSettings):
     """Root of the configuration tree."""
 
@@ -344,6 +366,7 @@ class Settings(BaseSettings):
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
+    nnrp: NnrpSettings = Field(default_factory=NnrpSettings)
     engines: list[EngineSettings] = Field(
         default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")]
     )

@@ -1,0 +1,1 @@
+"""The NNRP front door's FastAPI binding (the session itself is ``coordinator.nnrp.session``)."""

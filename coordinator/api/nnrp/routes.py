@@ -1,0 +1,76 @@
+"""Thin NNRP routes: the WebSocket at ``/nnrp/v1`` runs a ``Session``; ``GET /nnrp/v1/capabilities``.
+
+The manifest is derived once from the running configuration: tool-call deltas are declared only when
+the render sidecar runs parsers, since without one the engine's output is never split into calls.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocketState
+
+from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.openai.errors import error_response
+from coordinator.config import Settings
+from coordinator.nnrp.profile import Manifest, ServingCapabilities, build_manifest
+from coordinator.nnrp.session import Runner, Session
+from coordinator.pipeline.errors import PipelineError
+
+PATH = "/nnrp/v1"
+
+
+def serving_manifest(settings: Settings) -> Manifest:
+    return build_manifest(ServingCapabilities(tool_calls=settings.render.parsers))
+
+
+class WebSocketTransport:
+    """Starlette's WebSocket as the session's message transport."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self._ws = ws
+
+    async def receive(self) -> str | bytes | None:
+        if self._ws.client_state == WebSocketState.DISCONNECTED:
+            return None
+        message = await self._ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return None
+        text = message.get("text")
+        if text is not None:
+            return str(text)
+        data = message.get("bytes")
+        return bytes(data) if data is not None else b""
+
+    async def send(self, data: str | bytes) -> None:
+        if isinstance(data, str):
+            await self._ws.send_text(data)
+        else:
+            await self._ws.send_bytes(data)
+
+    async def close(self, code: int, reason: str = "") -> None:
+        if self._ws.client_state != WebSocketState.DISCONNECTED \
+                and self._ws.application_state != WebSocketState.DISCONNECTED:
+            await self._ws.close(code, reason)
+
+
+def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings) -> APIRouter:
+    router = APIRouter()
+    manifest = serving_manifest(settings)
+    doc = manifest.to_dict()
+
+    @router.websocket(PATH)
+    async def session(ws: WebSocket) -> None:
+        await ws.accept()
+        await Session(WebSocketTransport(ws), runner, settings.nnrp, manifest, auth,
+                      authorization=ws.headers.get("authorization")).run()
+
+    @router.get(f"{PATH}/capabilities")
+    async def capabilities(request: Request) -> Response:
+        try:
+            auth(request.headers.get("authorization"))
+        except PipelineError as exc:
+            return error_response(exc)
+        return JSONResponse(doc)
+
+    return router
