@@ -95,3 +95,15 @@ def test_random_bytes_only_ever_raise_frame_errors() -> None:
             F.decode(data, max_bytes=MAX)
         except F.FrameError as exc:
             assert exc.code in F.ERROR_CODES
+
+
+def test_spec_document_names_every_frame_code_and_close_code() -> None:
+    """docs/nnrp.md is what other clients are built from: every code here must be specified there."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "nnrp.md").read_text()
+    names = [*F.ERROR_CODES, *F.CLIENT_FRAMES, "welcome", "opened", "result", "error"]
+    assert [n for n in names if f'"type": "{n}"' not in doc and f"`{n}`" not in doc] == []
+    codes = [F.CLOSE_NORMAL, F.CLOSE_RESTART, F.CLOSE_TOO_BIG, F.CLOSE_INTERNAL, F.CLOSE_UNAUTHORIZED,
+             F.CLOSE_IDLE]
+    assert [c for c in codes if f"| {c} |" not in doc] == []
