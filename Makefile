@@ -6,6 +6,7 @@
 #   make compat the third-party client and OpenAI-spec suite only (tests/compat)
 #   make lint   ruff + mypy --strict
 #   make bench  every benchmark (perf/), then docs/benchmarks.md from their reports (tens of minutes)
+#   make relay-proof  mid-stream relay on two real engines, 20 SIGKILLs (~15 min; docs/relay.md)
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -21,7 +22,7 @@ COMPAT_VENV  := .venv-compat
 COMPAT_REQ   := tests/compat/requirements.txt
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv compat-venv model run test compat lint bench
+.PHONY: venv compat-venv model run test compat lint bench relay-proof
 
 venv: $(STAMP)
 
@@ -70,3 +71,8 @@ BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity de
 bench: venv model
 	@set -e; for b in $(BENCHMARKS); do echo "== perf.$$b"; $(PY) -m perf.$$b; done
 	$(PY) -m perf.docs
+
+# Mid-stream relay proven on real vLLM engines: 20 greedy streams, the serving engine SIGKILLed at a
+# random token of each and restarted between runs (perf/out/relay_proof/; recorded in docs/relay.md).
+relay-proof: venv model
+	$(PY) -m perf.relay_proof
