@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from coordinator.api.admin import build_admin_router
 from coordinator.api.auth import ApiKeyCheck
@@ -20,6 +20,7 @@ from coordinator.api.openai.routes import build_router
 from coordinator.config import Settings
 from coordinator.observability.accounting import Accounting
 from coordinator.observability.metrics import Metrics
+from coordinator.observability.record import Observer
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.catalog import ModelCatalog
@@ -85,10 +86,13 @@ class Components:
         await self.sidecar.aclose()
 
 
-def build_components(settings: Settings) -> Components:
-    metrics = Metrics()
+def build_components(settings: Settings, metrics_registry: CollectorRegistry | None = None) -> Components:
+    """``metrics_registry``: the embedding application's Prometheus registry (default: one of our own)."""
+    metrics = Metrics(metrics_registry)
+    observer = Observer(metrics)
     sidecar = SidecarClient(settings.render)
     engines = build_engine_client(settings)  # maps token ids to physical ones when obfuscation is on
+    engines.on_abort = metrics.engine_abort
     registry = EngineRegistry(settings, engines.http, metrics)
     adm = settings.admission
     ledger = TokenLedger(adm.global_tokens if adm.enabled else None)
@@ -149,6 +153,7 @@ def build_components(settings: Settings) -> Components:
         coalescing=Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
                               settings.stream.buffer_tokens, settings.stream.coalesce_with_parsers),
         early_refusal=admission.check_early,
+        observer=observer,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
@@ -164,8 +169,10 @@ def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str
     return settings.models[0].name
 
 
-def build_app(settings: Settings) -> FastAPI:
-    c = build_components(settings)
+def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = None) -> FastAPI:
+    """``metrics_registry``: collectors go there instead of a registry of the app's own (``/metrics``
+    serves whichever it is, when ``server.metrics`` is on)."""
+    c = build_components(settings, metrics_registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -181,7 +188,7 @@ def build_app(settings: Settings) -> FastAPI:
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
     if settings.nnrp.enabled:
-        app.include_router(build_nnrp_router(c.pipeline, auth, settings))
+        app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
                             lambda: c.registry.engines, c.native.client if c.native is not None else None)
     accounting.export(c.metrics)

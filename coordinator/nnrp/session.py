@@ -43,6 +43,7 @@ from coordinator.nnrp.profile import (
     map_chat_completion,
     parse_envelope,
 )
+from coordinator.observability.record import Observer, Record
 from coordinator.pipeline.context import Kind
 from coordinator.pipeline.errors import ClientGone, PipelineError
 from coordinator.pipeline.native_route import ChunkStream
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 Gone = Callable[[], Awaitable[None]]
 _RECENT = 1024  # finished operation ids remembered, so a late credit or cancel is not an error
 _FLUSH_S = 2.0  # longest wait for the last frames when a session ends
+_ABORT_ANSWER_S = 5.0  # longest wait for the engine's answer to an abort before a summary goes out
 
 
 class Transport(Protocol):
@@ -79,7 +81,7 @@ class Runner(Protocol):
     """``Pipeline.serve``: the one request runner of every door."""
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Gone | None = None) -> ServedLike: ...
+                    gone: Gone | None = None, record: Record | None = None) -> ServedLike: ...
 
 
 @dataclass(eq=False)
@@ -89,6 +91,7 @@ class Operation:
     envelope: Envelope
     credits: int
     mapper: ChatStreamMapper
+    record: Record
     seq: int = 0
     closed: bool = False  # the terminal event went out (or could not)
     releasing: bool = False  # in the task's finally: it must not be cancelled again
@@ -118,7 +121,8 @@ class Session:
 
     def __init__(self, transport: Transport, runner: Runner, settings: NnrpSettings, manifest: Manifest,
                  auth: Callable[[str | None], None], *, authorization: str | None = None,
-                 session_id: str | None = None) -> None:
+                 session_id: str | None = None, observer: Observer | None = None,
+                 connection_id: str | None = None) -> None:
         self._t = transport
         self._runner = runner
         self._settings = settings
@@ -127,6 +131,8 @@ class Session:
         self._auth = auth
         self._header_auth = authorization
         self.id = session_id or uuid.uuid4().hex[:16]
+        self._observer = observer  # where each operation's observation record goes
+        self._connection_id = connection_id
         self.encoding: str | None = None  # chosen by hello
         self.opened = False
         self._ops: dict[str, Operation] = {}
@@ -294,17 +300,26 @@ class Session:
                                "open in this session", op=frame.op, frame_type="submit")
         self._counter += 1
         request_id = f"nnrp-{self.id}-{self._counter}"
+        record = self._observer.start("nnrp") if self._observer is not None else Record("nnrp")
+        record.request_id, record.session_id, record.operation_id = request_id, self.id, frame.op
+        record.frame_id, record.connection_id = self.frames_received, self._connection_id
+        record.transport = f"websocket/{self.encoding}"
         try:
             envelope = parse_envelope(frame.envelope, self._manifest)
         except ProfileError as exc:  # the operation's one event: response.error (seq 0)
             self._remember(frame.op)
             await self._send(F.result(frame.op, 0, exc.event()))
+            record.output_event()
+            record.failed(type(exc).__name__, exc.status)
+            record.finish()
             return
+        record.operation = envelope.operation
         credits = self._settings.initial_credits if frame.credits is None else frame.credits
         op = Operation(frame.op, request_id, envelope, credits,
-                       ChatStreamMapper(include_openai_chunk=envelope.include_openai_chunk))
+                       ChatStreamMapper(include_openai_chunk=envelope.include_openai_chunk), record)
         self._ops[op.id] = op
         op.task = self._spawn(self._pump(op))
+        op.task.add_done_callback(lambda _: record.finish())  # even a task cancelled before it ran
         timeout = envelope.policy.timeout_ms
         if timeout is not None:
             why = f"timeout_ms {timeout} passed"
@@ -351,7 +366,7 @@ class Session:
             body = op.envelope.body
             if op.envelope.policy.cache == "isolated" and "cache_salt" not in body:
                 body = {**body, "cache_salt": secrets.token_hex(16)}  # shares no cached prefix
-            served = await self._runner.serve("chat", body, op.request_id)
+            served = await self._runner.serve("chat", body, op.request_id, record=op.record)
             if served.stream is None:
                 for event in map_chat_completion(served.response or {}):
                     if event["type"] in TERMINAL_EVENT_TYPES:
@@ -395,8 +410,12 @@ class Session:
             if served is not None:
                 await served.aclose()  # aborts the engine request when it is still running
             self._finished(op)
+            op.record.finish()
             if op.envelope.policy.diagnostics == "summary" and not self._ending:
-                record = {**op.snapshot(), "released": True,
+                # The summary carries the finished observation record, with the engine's answer to
+                # an abort (it went out after response.cancelled, which never waits for it).
+                await op.record.delivered(_ABORT_ANSWER_S)
+                record = {**op.record.to_dict(), **op.snapshot(), "released": True,
                           "transport": f"websocket/{self.encoding}"}
                 with contextlib.suppress(Exception):
                     await self._send(F.diagnostics("summary", record, op=op.id))
@@ -419,12 +438,17 @@ class Session:
                 op.closed = True
                 op.outcome = event["type"].removeprefix("response.")
                 self._close_op(op)
+                if op.outcome == "completed":
+                    op.record.complete()
+                elif op.outcome == "error":
+                    op.record.failed(str(event["error"].get("type") or "Error"), int(event["status"]))
             else:
                 op.credits -= 1
             seq, op.seq = op.seq, op.seq + 1
             if op.first_event is None:
                 op.first_event = time.monotonic()
             await self._write(F.result(op.id, seq, event))
+            op.record.output_event()
 
     async def _cancel(self, op: Operation, source: str, reason: str) -> None:
         """Stop the operation's events now, send ``response.cancelled``, abort its engine request."""
@@ -436,9 +460,16 @@ class Session:
                     force: bool = False) -> dict[str, Any] | None:
         """The cancelled event, or None when another terminal event is already on its way (it is
         then left to go out, unless ``force``: the session ends and nobody reads)."""
-        event = op.mapper.cancel(source, reason, operation_id=op.id)
+        # The engine's answer to the abort is known only if an abort was already answered: the event
+        # never waits for it (the summary diagnostics carry the answer once it came).
+        event = op.mapper.cancel(source, reason, operation_id=op.id,
+                                 engine_abort_accepted=op.record.abort_answer())
         if event is None and not force:
             return None
+        if source == "session" and not self._alive:
+            op.record.gone(source, reason)  # the connection went away
+        else:
+            op.record.cancel(source, reason)
         if op.task is not None and not op.releasing and op.task is not asyncio.current_task():
             op.task.cancel()  # its finally closes the served stream; a release is never interrupted
         if event is None:

@@ -1,19 +1,28 @@
 """Prometheus collectors of the coordinator (exposed on /metrics unless switched off).
 
 One object, built once per app and handed to the stages that count things, so tests can read the
-values of their own coordinator (no process-global registry).
+values of their own coordinator (no process-global registry). An embedding application may pass its
+own registry instead (``build_app(settings, metrics_registry=...)``); the collectors then live there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+if TYPE_CHECKING:
+    from coordinator.observability.record import Record
+
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class Metrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
         self.stream_buffered_tokens = Gauge(
             "coordinator_stream_buffered_tokens",
             "Engine tokens read by open streams but not yet derendered (bounded by stream.buffer_tokens)",
@@ -79,6 +88,41 @@ class Metrics:
         self.panic_decisions = Counter(
             "coordinator_panic_decisions", "Engines picked although probes call them unhealthy, because "
             "every engine of their model and role is (panic routing)", ["role"], registry=r)
+
+        # --- requests, from the observation record (observability/record.py), per door ---
+        self.requests = Counter("coordinator_requests", "Client requests ended, by door, served model and "
+                                "HTTP status (499: the client left or cancelled)",
+                                ["door", "model", "status"], registry=r)
+        self.ttft = Histogram("coordinator_request_ttft_seconds", "Streaming requests: arrival to the first "
+                              "event written to the client", ["door", "model"], buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.inter_token = Histogram("coordinator_request_inter_token_seconds", "Streaming requests: time "
+                                     "between consecutive events written to the client", ["door", "model"],
+                                     buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("coordinator_request_e2e_seconds", "Arrival to the end of the request",
+                             ["door", "model"], buckets=_E2E_BUCKETS, registry=r)
+        self.client_disconnects = Counter("coordinator_client_disconnects", "Requests whose client left "
+                                          "(HTTP disconnect, NNRP socket closed) before the end", ["door"],
+                                          registry=r)
+        self.engine_aborts = Counter("coordinator_engine_aborts", "Abort calls to engines, by the engine's "
+                                     "answer (accepted: HTTP 200)", ["result"], registry=r)
+
+    def request_finished(self, record: Record) -> None:
+        """One finished observation record."""
+        door, model = record.door, record.model or ""
+        self.requests.labels(door, model, str(record.status or 0)).inc()
+        self.e2e.labels(door, model).observe(record.e2e_s)
+        first = record.since(record.first_event)
+        if record.stream and first is not None:
+            self.ttft.labels(door, model).observe(first)
+        if record.client_gone:
+            self.client_disconnects.labels(door).inc()
+
+    def inter_event(self, record: Record, gap_s: float) -> None:
+        self.inter_token.labels(record.door, record.model or "").observe(gap_s)
+
+    def engine_abort(self, accepted: bool) -> None:
+        self.engine_aborts.labels("accepted" if accepted else "refused").inc()
 
     def prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         """One routing decision: how much of the prompt the picked engine holds, per the index."""

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from coordinator.observability.record import Record
 from coordinator.pipeline.derender.stop import StopSpec
 
 Kind = Literal["chat", "completion"]
@@ -51,6 +52,7 @@ class RequestContext:
     route: Route = "tokens"
     tokenizer_source: TokenizerSource = "render"  # "local": render was unavailable (render fallback)
     visible: bool = False             # a chunk was handed to the client writer (no whole-request retry)
+    record: Record = field(default_factory=lambda: Record("internal"))  # observation record (doors share it)
 
     @property
     def response_id(self) -> str:

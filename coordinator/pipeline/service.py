@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from coordinator.observability.events import event
+from coordinator.observability.record import Observer, Record, current
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer, request_view
@@ -31,7 +32,7 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
-from coordinator.pipeline.errors import ClientGone, TokenRouteMissing, first_leaf
+from coordinator.pipeline.errors import ClientGone, PipelineError, TokenRouteMissing, first_leaf
 from coordinator.pipeline.native_route import ChunkStream, NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.token_ids import check_client_ids
@@ -41,6 +42,7 @@ from coordinator.pipeline.validation import validate_request
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Gone = Callable[[], Awaitable[None]]  # completes when the client has left
+OPERATIONS: dict[Kind, str] = {"chat": "chat.completions.create", "completion": "completions.create"}
 
 
 @dataclass
@@ -71,8 +73,10 @@ class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
                  derenderer: Derenderer, strict: bool, queue_chunks: int,
                  coalescing: Coalescing | None = None,
-                 early_refusal: Callable[[int], None] | None = None) -> None:
+                 early_refusal: Callable[[int], None] | None = None,
+                 observer: Observer | None = None) -> None:
         self.catalog = catalog
+        self.observer = observer  # where finished observation records go (doors start theirs here)
         self._render = render
         self._dispatch = dispatcher
         self._derender = derenderer
@@ -109,31 +113,50 @@ class Pipeline:
             self.inflight -= 1
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Gone | None = None) -> Served:
+                    gone: Gone | None = None, record: Record | None = None) -> Served:
         """One client request, whatever the door: validate → render → admission → scheduling →
         generate → derender. Raises a ``PipelineError`` for the client, or ``ClientGone`` when ``gone``
         completes first (what was acquired is released either way). A streaming answer holds its
         resources until the door awaits ``Served.aclose()``.
 
-        ``priority`` is the door's own priority signal (e.g. a header), used when the body has none."""
+        ``priority`` is the door's own priority signal (e.g. a header), used when the body has none.
+        ``record`` is the door's observation record: the pipeline fills its part and the door finishes
+        it; without one the pipeline makes its own and finishes it when the request is released."""
+        own = record is None
+        if record is None:
+            record = self.observer.start("internal") if self.observer is not None else Record("internal")
+        record.request_id, record.operation = request_id, OPERATIONS.get(kind, kind)
+        current.set(record)  # for admission and engine aborts, here and in the tasks this request makes
         stack = contextlib.AsyncExitStack()
+        if own:
+            stack.callback(record.finish)  # runs last, after every release
         await stack.enter_async_context(self.track())
         try:
-            ctx = await self.begin(kind, body, request_id, priority)
+            ctx = await self.begin(kind, body, request_id, priority, record)
             if not ctx.stream:
                 response = await _unless_gone(gone, self.complete(ctx))
+                usage = response.get("usage") or {}
+                record.usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+                record.route = ctx.route
                 await stack.aclose()
                 return Served(ctx, response=response)
             # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
             session = await _unless_gone(gone, self.open_stream(ctx))
+            record.route = ctx.route
             stack.push_async_callback(session.aclose)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, ClientGone):
+                record.gone()
+            elif isinstance(exc, Exception):
+                record.fail(exc, exc.status if isinstance(exc, PipelineError) else 500)
+            else:
+                record.cancel("cancelled")  # the caller's task was cancelled (unless the door said why)
             await stack.aclose()
             raise
         return Served(ctx, stream=session, _release=stack.aclose)
 
     async def begin(self, kind: Kind, body: Any, request_id: str | None,
-                    priority: int | None = None) -> RequestContext:
+                    priority: int | None = None, record: Record | None = None) -> RequestContext:
         """Validate and render; after this the prompt token ids are known.
 
         ``priority`` applies when the body has no ``priority`` (default 0)."""
@@ -146,14 +169,17 @@ class Pipeline:
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
                              priority=_priority(body, priority))
+        if record is not None:
+            ctx.record = record
+            record.model, record.stream = ctx.model, stream
         if self._early_refusal is not None:
             self._early_refusal(ctx.priority)
         started = time.perf_counter()
         await self._render(ctx, entry)
+        ctx.record.render_ms = render_ms = round((time.perf_counter() - started) * 1000, 2)
+        ctx.record.prompt_tokens = prompt_tokens = sum(p.prompt_tokens for p in ctx.prompts)
         event(log, "render", ctx.request_id, model=ctx.model, tokenizer_source=ctx.tokenizer_source,
-              route=ctx.route, prompts=len(ctx.prompts),
-              prompt_tokens=sum(p.prompt_tokens for p in ctx.prompts),
-              latency_ms=round((time.perf_counter() - started) * 1000, 2))
+              route=ctx.route, prompts=len(ctx.prompts), prompt_tokens=prompt_tokens, latency_ms=render_ms)
         ctx.derender_request = request_view(ctx)
         return ctx
 
@@ -173,6 +199,7 @@ class Pipeline:
                 return await native.complete(ctx)
             raise error from None
         responses = [t.result() for t in tasks]
+        ctx.record.engine_chunk()  # the engines' whole output is in
         counted = sum(len(c.get("token_ids") or []) for r in responses for c in r["choices"])
         blank: set[int] = set()  # global indexes whose only token was the hidden stop token
         trimmed = []
@@ -318,6 +345,7 @@ class StreamSession:
                 pending -= 1
                 if item.error is not None:
                     self._end_reason = f"prompt {item.prompt} failed: {type(item.error).__name__}"
+                    self.ctx.record.fail(item.error, getattr(item.error, "status", 500))
                     if len(self._tasks) > 1:
                         event(log, "cancelled", self.ctx.request_id, level=logging.WARNING,
                               failed_prompt=item.prompt, error=type(item.error).__name__,
@@ -371,6 +399,8 @@ class StreamSession:
         self._closed = True
         if self._end_reason is None and self.running_tasks:
             event(log, "cancelled", self.ctx.request_id, reason="client_gone", cancelled=self.running_tasks)
+            self.ctx.record.cancel("client_gone")  # unless the door already said why (NNRP cancel)
+        self.ctx.record.usage(None, sum(ps.completion_tokens for ps, _ in self._streams))
         for t in self._tasks:
             t.cancel()
         if self._tasks:

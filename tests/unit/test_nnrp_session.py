@@ -96,7 +96,7 @@ class Runner:
         self.served: list[FakeServed] = []
 
     async def serve(self, kind: str, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Any = None) -> FakeServed:
+                    gone: Any = None, record: Any = None) -> FakeServed:
         if self.fail is not None:
             raise self.fail
         if body.get("stream"):

@@ -12,9 +12,11 @@ from starlette.websockets import WebSocketState
 
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import error_response
+from coordinator.api.openai.routes import peer
 from coordinator.config import Settings
 from coordinator.nnrp.profile import Manifest, ServingCapabilities, build_manifest
 from coordinator.nnrp.session import Runner, Session
+from coordinator.observability.record import Observer
 from coordinator.pipeline.errors import PipelineError
 
 PATH = "/nnrp/v1"
@@ -54,7 +56,9 @@ class WebSocketTransport:
             await self._ws.close(code, reason)
 
 
-def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings) -> APIRouter:
+def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
+                      observer: Observer | None = None) -> APIRouter:
+    """``observer``: where each operation's observation record goes (the pipeline's)."""
     router = APIRouter()
     manifest = serving_manifest(settings)
     doc = manifest.to_dict()
@@ -63,7 +67,8 @@ def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings) -> 
     async def session(ws: WebSocket) -> None:
         await ws.accept()
         await Session(WebSocketTransport(ws), runner, settings.nnrp, manifest, auth,
-                      authorization=ws.headers.get("authorization")).run()
+                      authorization=ws.headers.get("authorization"), observer=observer,
+                      connection_id=peer(ws.client)).run()
 
     @router.get(f"{PATH}/capabilities")
     async def capabilities(request: Request) -> Response:

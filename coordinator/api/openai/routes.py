@@ -9,16 +9,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Address
 
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.body import read_json_body
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import OwningStreamingResponse, sse_body
 from coordinator.config import Settings
+from coordinator.observability.record import Door, Record
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
-from coordinator.pipeline.service import Pipeline
+from coordinator.pipeline.service import OPERATIONS, Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +33,44 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     async def handle(kind: Kind, request: Request) -> Response:
         request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
         headers = {"X-Request-Id": request_id}
+        record = start_record(pipeline, "http", request_id=request_id, connection_id=peer(request.client),
+                              operation=OPERATIONS[kind])
         try:
             auth(request.headers.get("authorization"))
             body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
                                         max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
             served = await pipeline.serve(kind, body, request_id,
                                           priority=header_priority(request.headers.get(priority_header)),
-                                          gone=lambda: _disconnected(request))
+                                          gone=lambda: _disconnected(request), record=record)
         except PipelineError as exc:
+            record.fail(exc, exc.status)
+            record.finish()
             return error_response(exc, request_id)
         except ClientGone:
+            record.gone()
+            record.finish()
             return Response(status_code=499)
+        except BaseException as exc:
+            record.fail(exc) if isinstance(exc, Exception) else record.gone()
+            record.finish()
+            raise
         headers.update(route_headers(served.ctx))
         if served.stream is None:
+            record.transport = "http/json"
+            record.output_event()
+            record.complete()
+            record.finish()
             return JSONResponse(served.response, headers=headers)
+        record.transport = "http/sse"
+
+        async def release() -> None:
+            """Release the stream, then end the record (a body that did not reach its end: client gone)."""
+            try:
+                await served.aclose()
+            finally:
+                if record.outcome in (None, "cancelled"):
+                    record.gone()
+                record.finish()
 
         def on_error(exc: BaseException) -> None:
             if not isinstance(exc, PipelineError):
@@ -52,7 +78,7 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
             else:
                 log.warning("stream %s failed: %s", request_id, exc.message)
 
-        return OwningStreamingResponse(sse_body(served.stream, on_error), served.aclose, headers)
+        return OwningStreamingResponse(sse_body(served.stream, on_error, record), release, headers)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -96,6 +122,17 @@ def _cards(e: ModelEntry) -> list[dict[str, Any]]:
     card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
             "parent": None, "max_model_len": e.max_model_len}
     return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]
+
+
+def start_record(pipeline: Pipeline, door: Door, **fields: Any) -> Record:
+    """A door's observation record, going to the pipeline's observer when it has one."""
+    observer = pipeline.observer
+    return observer.start(door, **fields) if observer is not None else Record(door, **fields)
+
+
+def peer(client: Address | None) -> str | None:
+    """The TCP peer as ``host:port`` (the record's connection id)."""
+    return f"{client.host}:{client.port}" if client is not None else None
 
 
 def route_headers(ctx: RequestContext) -> dict[str, str]:

@@ -12,6 +12,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from coordinator.api.openai.errors import sse_error_frame
+from coordinator.observability.record import Record
 from coordinator.pipeline.native_route import ChunkStream
 
 log = logging.getLogger(__name__)
@@ -27,14 +28,23 @@ def frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
-async def sse_body(session: ChunkStream, on_error: Callable[[BaseException], None]) -> AsyncIterator[bytes]:
-    """Chunks as ``data:`` frames; a failure after the first byte becomes an error frame; one [DONE]."""
+async def sse_body(session: ChunkStream, on_error: Callable[[BaseException], None],
+                   record: Record | None = None) -> AsyncIterator[bytes]:
+    """Chunks as ``data:`` frames; a failure after the first byte becomes an error frame; one [DONE].
+    ``record`` (the request's observation record) counts the frames and learns how the body ended."""
     try:
         async for chunk in session.events():
-            yield frame(chunk)
+            data = frame(chunk)
+            if record is not None:
+                record.output_event()
+            yield data
     except Exception as exc:
         on_error(exc)
+        if record is not None:
+            record.fail(exc)
         yield sse_error_frame(exc)
+    if record is not None:
+        record.complete()
     yield DONE
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -18,6 +18,7 @@ import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
+from coordinator.observability.record import on_engine_abort
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
     TokenRouteMissing,
@@ -54,8 +55,9 @@ class EngineClient:
         self._lanes = Lanes(settings.max_connections,
                             lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits,
                                                               verify=shared_ssl_context()))
-        self._aborts: set[asyncio.Task[None]] = set()
+        self._aborts: set[asyncio.Task[bool]] = set()
         self.open_streams = 0  # generate responses held open (a leak shows here: /admin/accounting)
+        self.on_abort: Callable[[bool], None] | None = None  # each abort's answer (the engine_aborts metric)
 
     @property
     def pending_aborts(self) -> int:
@@ -162,18 +164,31 @@ class EngineClient:
             return UpstreamTimeout(f"engine {engine.url} timed out")
         return UpstreamUnavailable(f"engine {engine.url} unreachable: {name}")
 
-    def abort_soon(self, engine: Engine, request_id: str) -> None:
-        """Fire-and-forget abort by full engine id; tracked so shutdown waits for it."""
+    def abort_soon(self, engine: Engine, request_id: str) -> asyncio.Task[bool]:
+        """Fire-and-forget abort by full engine id; tracked so shutdown waits for it. The task's result
+        says whether the engine accepted it; the current request's observation record gets the task
+        (``record.on_engine_abort``), so a door can learn the answer without waiting for it."""
         task = asyncio.create_task(self.abort(engine, request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+        on_engine_abort(task)
+        return task
 
-    async def abort(self, engine: Engine, request_id: str) -> None:
+    async def abort(self, engine: Engine, request_id: str) -> bool:
+        """True when the engine accepted the abort (HTTP 200); False when it refused or was unreachable."""
         try:
-            await self.http.post(f"{engine.url}/inference/v1/abort_requests",
-                                  json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0)
+            resp = await self.http.post(f"{engine.url}/inference/v1/abort_requests",
+                                        json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0)
         except httpx.HTTPError as exc:
             log.warning("abort of %s on %s failed: %s", request_id, engine.url, exc.__class__.__name__)
+            accepted = False
+        else:
+            accepted = resp.status_code == 200
+            if not accepted:
+                log.warning("abort of %s on %s refused: HTTP %d", request_id, engine.url, resp.status_code)
+        if self.on_abort is not None:
+            self.on_abort(accepted)
+        return accepted
 
 
 _SCALE_OUT_DISABLED = "Scale-out endpoints are disabled"

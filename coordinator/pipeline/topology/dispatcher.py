@@ -27,6 +27,7 @@ from tenacity import (
 from coordinator.config import ResilienceSettings, TopologySettings
 from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
+from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.client import EngineClient, EngineStreamError, EngineUnreachable
@@ -191,8 +192,10 @@ class Dispatcher:
                             priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None)
 
     async def _admit(self, req: SchedRequest) -> Grant:
-        return await self._admission.admit(req, self._scheduler.place,
-                                           prefill_tokens=lambda p: req.prompt_tokens + 1)
+        grant = await self._admission.admit(req, self._scheduler.place,
+                                            prefill_tokens=lambda p: req.prompt_tokens + 1)
+        note_queue_delay(grant.waited_s)  # the request's observation record (runs in its task)
+        return grant
 
     def _retrying(self, req: SchedRequest) -> AsyncRetrying:
         r = self._resilience

@@ -146,6 +146,7 @@ class EngineStream:
                 self._current = await self._relay(attempt, exc)
 
     def _hand_out(self, chunk: dict[str, Any]) -> None:
+        self._ctx.record.engine_chunk()
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or ()
             self.handed_tokens += len(ids)
