@@ -11,7 +11,7 @@ message starts with its own nonce, so no request reuses another's cached prefix.
 time, greedy, ``--max-tokens`` tokens, the doors alternating (one warm-up each, not counted); TTFT is
 send → first text event, total is send → end of stream. Ratios are NNRP / SSE medians of this run.
 
-    python -m perf.nnrp_long_context [--requests 3] [--prompt-tokens 1800] [--max-tokens 32]
+    python -m perf.nnrp_long_context [--requests 5] [--prompt-tokens 1800] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -60,16 +60,15 @@ def build_prompt(render_url: str, target: int, nonce: str) -> tuple[str, int]:
     return text, count(text)
 
 
-async def run_doors(url: str, render_url: str, args: argparse.Namespace,
-                    say: Callable[[str], None]) -> tuple[dict[str, list[Run]], list[int]]:
+async def run_doors(url: str, prompts: list[tuple[str, int]], args: argparse.Namespace,
+                    say: Callable[[str], None]) -> dict[str, list[Run]]:
+    """The prompts are built beforehand: nothing blocks the event loop while the session is open."""
     runs: dict[str, list[Run]] = {"sse": [], "nnrp": []}
-    sizes: list[int] = []
     async with httpx.AsyncClient(timeout=600) as http:
         nnrp = await NnrpClient.connect(ws_url(url), credits=256)
         try:
-            for i in range(2 * (args.requests + 1)):
+            for i, (text, n) in enumerate(prompts):
                 door = ("sse", "nnrp")[(i + i // 2) % 2]   # sse,nnrp,nnrp,sse,...
-                text, n = build_prompt(render_url, args.prompt_tokens, secrets.token_hex(4))
                 body = chat_body(args.max_tokens, text)
                 timing = (await sse_request(http, url, body))[0] if door == "sse" else \
                     await nnrp_request(nnrp, body)
@@ -79,10 +78,9 @@ async def run_doors(url: str, render_url: str, args: argparse.Namespace,
                     f"{len(timing.arrivals)} text events")
                 if not warm:
                     runs[door].append((timing.ttft, timing.total))
-                    sizes.append(n)
         finally:
             await nnrp.close()
-    return runs, sizes
+    return runs
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -103,7 +101,7 @@ def figures(runs: dict[str, list[Run]], *, prompt_tokens: int, max_tokens: int,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=3, help="measured requests per door (one warm-up each)")
+    ap.add_argument("--requests", type=int, default=5, help="measured requests per door (one warm-up each)")
     ap.add_argument("--prompt-tokens", type=int, default=1800)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -132,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait_ready(timeout=900)
         coord = stack.enter_context(EmbeddedCoordinator(settings_for(render.url, engine.url)))
         say(f"ready; {args.requests} requests per door (+1 warm-up each), ~{args.prompt_tokens} tokens")
-        runs, sizes = asyncio.run(run_doors(coord.url, render.url, args, say))
+        prompts = [build_prompt(render.url, args.prompt_tokens, secrets.token_hex(4))
+                   for _ in range(2 * (args.requests + 1))]
+        sizes = [n for _, n in prompts]
+        runs = asyncio.run(run_doors(coord.url, prompts, args, say))
         leftover = coord.wait_idle()
     f = figures(runs, prompt_tokens=round(statistics.median(sizes)), max_tokens=args.max_tokens,
                 max_model_len=args.max_model_len)
