@@ -45,7 +45,7 @@ def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = Aut
                 self._arm()  # the first bytes of a new request start its header clock
             before = self.cycle
             super().data_received(data)
-            if self.cycle is not None and self.cycle is not before:
+            if (self.cycle is not None and self.cycle is not before) or self._upgraded():
                 self._disarm()  # headers complete: the request is the application's now
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -61,9 +61,15 @@ def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = Aut
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def _upgraded(self) -> bool:
+            """The connection became a WebSocket (uvicorn handed the transport to another protocol):
+            no HTTP request will follow on it, and a late 408 would corrupt the WebSocket stream."""
+            return bool(self.transport is not None and self.transport.get_protocol() is not self)
+
         def _expired(self) -> None:
             self._header_timer = None
-            if self.transport.is_closing() or not (self.cycle is None or self.cycle.response_complete):
+            if (self.transport.is_closing() or self._upgraded()
+                    or not (self.cycle is None or self.cycle.response_complete)):
                 return
             self.transport.write(_REQUEST_TIMEOUT)
             self.transport.close()

@@ -187,3 +187,21 @@ def test_unsafe_request_ids_are_replaced_and_the_header_says_so(coord: Coordinat
     assert r.json()["id"] == f"chatcmpl-{used}"
     engine_id = sim.state()["history"][-1]["request_id"]
     assert used in engine_id and engine_id.isascii()  # the engine sees the safe id too
+
+
+def test_header_deadline_does_not_reach_into_websocket_sessions(coord: CoordinatorServer) -> None:
+    """The slowloris deadline (0.5 s here) guards HTTP headers only: an NNRP WebSocket session that
+    outlives it keeps working (a late 408 written into the stream used to end every session)."""
+    import asyncio
+
+    from coordinator.nnrp.client import NnrpClient
+
+    async def main() -> None:
+        url = coord.url.replace("http://", "ws://") + "/nnrp/v1"
+        async with await NnrpClient.connect(url) as client:
+            await asyncio.sleep(1.5)
+            assert (await client.ping(7))["type"] == "pong"
+            events = await (await client.chat(chat(stream=True))).collect()
+            assert events[-1]["type"] == "response.completed", events
+
+    asyncio.run(main())
