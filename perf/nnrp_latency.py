@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coordinator.config import EngineSettings, LimitsSettings, ModelSettings, RenderSettings, Settings
+from coordinator.config import EngineSettings, ModelSettings, RenderSettings, Settings
 from coordinator.embedded import EmbeddedCoordinator, free_port
 from coordinator.nnrp.client import NnrpClient
 from coordinator.nnrp.profile import CANCELLED, OUTPUT_TEXT_DELTA, TERMINAL_EVENT_TYPES
@@ -217,11 +217,9 @@ def render_url(given: str | None, say: Callable[[str], None]) -> Iterator[tuple[
 
 
 def settings_for(render: str, engine_url: str) -> Settings:
-    """Defaults, except the header deadline: the server's header-deadline protocol is not disarmed by a
-    WebSocket upgrade, so with the default (10 s) it writes a 408 into every NNRP session 10 s after
-    connect and closes it. An hour keeps the sessions of these runs alive."""
+    """The default settings for one render sidecar and one engine."""
     return Settings(render=RenderSettings(url=render), engines=[EngineSettings(url=engine_url)],
-                    models=[ModelSettings(name=SERVED)], limits=LimitsSettings(header_timeout_s=3600))
+                    models=[ModelSettings(name=SERVED)])
 
 
 def ws_url(http_url: str) -> str:
