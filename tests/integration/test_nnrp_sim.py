@@ -204,3 +204,33 @@ async def test_frame_fuzz_never_ends_the_server_or_other_sessions(coord: Coordin
     assert health.status_code == 200
     assert await asyncio.to_thread(coord.wait_idle, 10) == 0
     assert wait_until(lambda: held(coord) == 0, 10)
+
+
+async def test_frame_fuzz_memory_stays_flat(coord: CoordinatorServer) -> None:
+    """Thousands of bad frames on one long session leave nothing behind: traced memory after four
+    more rounds of 2,000 fuzz frames stays within 1 MB of the first (a leak of even ~100 bytes per
+    frame would exceed it)."""
+    import gc
+    import tracemalloc
+
+    frames = fuzz_frames(random.Random(11), 2000)
+    async with await NnrpClient.connect(ws_url(coord), api_key=KEY) as fuzzer:
+        async def one_round() -> int:
+            for data in frames:
+                await fuzzer.send_raw(data)
+            assert (await fuzzer.ping(1))["nonce"] == 1  # every frame before it was handled
+            assert await asyncio.to_thread(wait_until, lambda: held(coord) == 0, 10)
+            fuzzer.errors.clear()  # the client's own record of the error frames
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0]
+
+        tracemalloc.start()
+        try:
+            await one_round()  # warm-up: caches, lazily built objects
+            first = await one_round()
+            last = first
+            for _ in range(3):
+                last = await one_round()
+        finally:
+            tracemalloc.stop()
+    assert last - first < 1_000_000, f"traced memory grew by {last - first} bytes over 6,000 fuzz frames"
