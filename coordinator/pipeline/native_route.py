@@ -26,10 +26,8 @@ Rules, in one place:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -40,17 +38,18 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import RequestContext
-from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.client import EngineStreamError
 from coordinator.pipeline.engines.native import NativeClient
+from coordinator.pipeline.engines.outcome import record_failure, release
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
     PipelineError,
-    UpstreamClientError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
+from coordinator.pipeline.topology.legs import attempt_id
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +206,7 @@ class NativeRoute:
         return await self._admission.admit(req, self._scheduler.place)
 
     def _release(self, grant: Grant) -> None:
-        grant.release()
-        self._registry.on_idle(grant.placement.engine)
+        release(self._registry, grant)
 
     def _retry(self, exc: BaseException, req: SchedRequest, tries: int) -> bool:
         """Another native engine may take a request whose engine failed (not the request) before any
@@ -226,21 +224,11 @@ class NativeRoute:
         return bool(others)
 
     def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
-        """Feed the breaker as the token-only path does; steer a retry away from a failed engine."""
-        if isinstance(exc, asyncio.CancelledError):
-            self._registry.release_trial(engine)
-        elif isinstance(exc, UpstreamClientError):
-            self._registry.record_success(engine)  # the engine answered; the request was at fault
-        elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
-            req.exclude.add(engine.url)
+        """Feed the breaker as the token-only path does (engines/outcome.py), and log the leg."""
+        record_failure(self._registry, self._metrics, engine, exc, req)
+        if isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
             event(log, "leg", req.request_id, level=logging.WARNING, engine=engine.url, phase="native",
                   result=type(exc).__name__, error=str(exc))
-            if self._metrics is not None:
-                self._metrics.engine_failures.labels(engine.url).inc()
-            if isinstance(exc, EngineUnreachable):
-                self._registry.mark_failed(engine)
-            else:
-                self._registry.record_failure(engine)
 
 
 class NativeStream:
@@ -286,5 +274,4 @@ class NativeStream:
 
 
 def _attempt_id(ctx: RequestContext) -> str:
-    """Unique per attempt even when clients reuse an X-Request-Id (vLLM keys running requests by it)."""
-    return f"{ctx.request_id}-n{secrets.token_hex(3)}"
+    return attempt_id(ctx.request_id, "n")

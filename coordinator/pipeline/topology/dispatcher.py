@@ -31,11 +31,9 @@ from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.client import EngineClient, EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.outcome import record_failure, release
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
-    TokenRouteMissing,
-    UpstreamClientError,
-    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from coordinator.pipeline.scheduling.request import SchedRequest
@@ -230,9 +228,7 @@ class Dispatcher:
                     self._metrics.engine_deaths.inc()
 
     def _release(self, grant: Grant) -> None:
-        grant.release()
-        for engine in grant.placement.engines:
-            self._registry.on_idle(engine)  # a removed engine leaves the pool once its last request ends
+        release(self._registry, grant)
 
     @contextlib.contextmanager
     def _outcome(self, engine: Engine, req: SchedRequest, phase: str, ok: str = "ok") -> Iterator[None]:
@@ -248,22 +244,7 @@ class Dispatcher:
         event(log, "leg", req.request_id, engine=engine.url, phase=phase, result=ok)
 
     def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
-        """Feed the breaker and steer a retry away from this engine."""
-        if isinstance(exc, asyncio.CancelledError):
-            self._registry.release_trial(engine)
-        elif isinstance(exc, UpstreamClientError):
-            self._registry.record_success(engine)  # the engine answered; the request was at fault
-        elif isinstance(exc, TokenRouteMissing):
-            req.exclude.add(engine.url)  # healthy, but serves only the OpenAI API (the native route may)
-            self._registry.record_success(engine)
-        elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
-            req.exclude.add(engine.url)
-            if self._metrics is not None:
-                self._metrics.engine_failures.labels(engine.url).inc()
-            if isinstance(exc, EngineUnreachable):
-                self._registry.mark_failed(engine)
-            else:
-                self._registry.record_failure(engine)
+        record_failure(self._registry, self._metrics, engine, exc, req)
 
 
 def _phase(grant: Grant) -> str:
