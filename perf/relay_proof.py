@@ -60,7 +60,7 @@ from coordinator.config import (
 from coordinator.embedded import EmbeddedCoordinator, free_port
 from perf._procs import SERVED
 from perf._report import Progress, final_json, pct, save_figure, write_report
-from token_engine.process import group_alive
+from token_engine.process import group_alive, group_pids
 from token_engine.vllm_server import port_in_use
 
 NAME = "relay_proof"
@@ -169,22 +169,6 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any], *,
 
 
 # ---- engines ---------------------------------------------------------------------------------------
-
-def group_pids(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split(" ")
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            pids.append(int(entry.name))
-    return pids
-
 
 def sigkill_engine(engine: Any) -> list[int]:
     """SIGKILL every process of a launched vLLM server at once (API server + EngineCore: the launcher

@@ -96,6 +96,12 @@ def group_alive(pgid: int) -> bool:
         except PermissionError:
             return True
         return True
+    return bool(group_pids(pgid))
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of the process group ``pgid``, from ``/proc``."""
+    pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -105,8 +111,8 @@ def group_alive(pgid: int) -> bool:
             continue
         fields = stat[stat.rfind(")") + 2 :].split(" ")
         if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+            pids.append(int(entry.name))
+    return pids
 
 
 class ManagedProcess:

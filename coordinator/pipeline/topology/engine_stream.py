@@ -118,6 +118,7 @@ class EngineStream:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """Engine chunks of every attempt, as one sequence; raises when the stream cannot go on."""
+        first = True
         while True:
             attempt = self._current
             assert attempt is not None, "open() first"
@@ -127,6 +128,9 @@ class EngineStream:
                 async for chunk in attempt.chunks:
                     if replay:
                         chunk = _as_original(chunk, self._plan, offset)
+                    if first:  # the record's time to first engine chunk (once, not per token)
+                        self._ctx.record.engine_chunk()
+                        first = False
                     self._hand_out(chunk)
                     yield chunk
                 await self._end(attempt, None)
@@ -146,7 +150,6 @@ class EngineStream:
                 self._current = await self._relay(attempt, exc)
 
     def _hand_out(self, chunk: dict[str, Any]) -> None:
-        self._ctx.record.engine_chunk()
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or ()
             self.handed_tokens += len(ids)
