@@ -127,12 +127,14 @@ class SidecarClient:
 
         self.sidecars = [Sidecar(url, i, Lanes(settings.max_connections, client(url), KEEPALIVE_EXPIRY_S))
                          for i, url in enumerate(settings.endpoints)]
-        self._next = 0  # round-robin start among equally loaded sidecars
+        # Round-robin start among equally loaded sidecars, one cursor per stage: with a shared one,
+        # the derender calls between two renders decided (by their parity) where the next render went.
+        self._next: dict[str, int] = {}
 
     async def aclose(self) -> None:
         await asyncio.gather(*(s.lanes.aclose() for s in self.sidecars))
 
-    def pick(self, exclude: Sidecar | None = None) -> Sidecar | None:
+    def pick(self, exclude: Sidecar | None = None, stage: str = "render") -> Sidecar | None:
         """The sidecar for the next call: fewest calls in flight among those not skipped, ties taken
         in round-robin order. If every candidate is skipped, the one whose skip ends first (better one
         connection attempt than a certain failure). None when ``exclude`` was the only one."""
@@ -143,8 +145,8 @@ class SidecarClient:
         live = [s for s in candidates if s.skip_until <= now]
         if not live:
             return min(candidates, key=lambda s: s.skip_until)
-        n, start = len(self.sidecars), self._next
-        self._next = (start + 1) % n
+        n, start = len(self.sidecars), self._next.get(stage, 0)
+        self._next[stage] = (start + 1) % n
         return min(live, key=lambda s: (s.outstanding, (s.index - start) % n))
 
     async def post(self, path: str, body: Mapping[str, Any], *, request_id: str | None = None,
@@ -159,12 +161,12 @@ class SidecarClient:
         headers = {"content-type": "application/json"}
         if request_id:
             headers["x-request-id"] = request_id
-        first = self.pick()
+        first = self.pick(stage=stage)
         assert first is not None  # settings.endpoints is never empty
         try:
             return await self._send(first, path, content, headers, stage)
         except _Retryable as failed:
-            second = self.pick(exclude=first)
+            second = self.pick(exclude=first, stage=stage)
             if second is None:
                 raise failed.error from failed.__cause__
             log.info("%s on %s failed (%s); retrying on %s", stage, first.url, failed.error.message,

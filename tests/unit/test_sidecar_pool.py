@@ -51,6 +51,18 @@ async def test_idle_sidecars_take_calls_in_turn() -> None:
     assert [await served_by(client) for _ in range(6)] == URLS + URLS
 
 
+async def test_renders_take_turns_whatever_derender_calls_come_between() -> None:
+    """Render and derender keep their own turn: an odd number of derender calls between renders (a
+    stream's chunks) must not send every render to the same sidecar."""
+    client = pool(ok, urls=URLS[:2])
+    renders = []
+    for _ in range(4):
+        out = await client.post("/v1/chat/completions/render", {"x": 1}, stage="render")
+        renders.append(out["served_by"])
+        await client.post("/v1/chat/completions/derender", {"x": 1}, stage="derender")
+    assert renders == URLS[:2] * 2
+
+
 async def test_a_call_goes_to_the_sidecar_with_fewest_calls_in_flight() -> None:
     gates = {u: asyncio.Event() for u in URLS}
 
