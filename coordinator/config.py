@@ -41,6 +41,15 @@ class ServerSettings(BaseModel):
         default="text", description="json: one JSON object per line; request events carry their fields as "
         "keys (docs/observability.md)",
     )
+    drain_delay_s: float = Field(
+        default=5.0, ge=0, description="after SIGTERM, /ready answers 503 for this long while requests are "
+        "still accepted, so load balancers stop sending new ones before the listener closes",
+    )
+    drain_timeout_s: float = Field(
+        default=60.0, ge=0, description="after the listener closes, in-flight requests and streams get this "
+        "long to finish; streams still open then end with an error event the client can retry on. "
+        "Kubernetes' terminationGracePeriodSeconds must exceed drain_delay_s + drain_timeout_s",
+    )
 
 
 class LimitsSettings(BaseModel):
@@ -128,7 +137,9 @@ class EngineSettings(BaseModel):
 
 
 class DiscoverySettings(BaseModel):
-    """Engines found by resolving a DNS name (a Kubernetes headless Service), merged with ``engines``."""
+    """One DNS name (a Kubernetes headless Service) whose addresses are engines of one role; merged with
+    ``engines``. ``discovery`` is a list of these (a single mapping is accepted as a list of one), so a
+    P/D fleet lists its prefill and its decode Service."""
 
     dns_name: str | None = Field(default=None, description="e.g. vllm-engines.default.svc.cluster.local")
     port: int = Field(default=8000, ge=1, le=65535)
@@ -142,6 +153,23 @@ class DiscoverySettings(BaseModel):
         default=None, ge=1, le=65535, description="when set, each address serves KV-event replay here"
     )
     interval_s: float = Field(default=10.0, gt=0)
+
+
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans for each stage of a request (optional extra ``tracing``; off by default)."""
+
+    enabled: bool = Field(default=False, description="needs `pip install 'llm-coordinator[tracing]'`")
+    exporter: Literal["otlp", "console"] = Field(
+        default="otlp", description="otlp: OTLP over HTTP to `endpoint`; console: spans printed to stdout"
+    )
+    endpoint: str = Field(
+        default="http://127.0.0.1:4318/v1/traces", description="the OTLP/HTTP traces endpoint of a collector"
+    )
+    service_name: str = Field(default="llm-coordinator", description="the `service.name` resource attribute")
+    sample_ratio: float = Field(
+        default=1.0, ge=0, le=1, description="share of new traces recorded; a client's sampled "
+        "`traceparent` is always followed (parent-based sampling)",
+    )
 
 
 class AdmissionSettings(BaseModel):
@@ -364,7 +392,10 @@ class Settings(BaseSettings):
     scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
     topology: TopologySettings = Field(default_factory=TopologySettings)
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)
-    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    discovery: list[DiscoverySettings] = Field(
+        default_factory=list, description="DNS names whose addresses are engines (one role each)"
+    )
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
     nnrp: NnrpSettings = Field(default_factory=NnrpSettings)
     engines: list[EngineSettings] = Field(
@@ -373,6 +404,12 @@ class Settings(BaseSettings):
     models: list[ModelSettings] = Field(
         default_factory=lambda: [ModelSettings(name="smollm2-135m-instruct", aliases=["gpt-4o-mini"])]
     )
+
+    @field_validator("discovery", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        """A single mapping (the form before several services were allowed) is a list of one."""
+        return [value] if isinstance(value, dict | DiscoverySettings) else value
 
     @field_validator("models")
     @classmethod

@@ -16,6 +16,7 @@ from coordinator.config import (
     DiscoverySettings,
     EngineClientSettings,
     EngineSettings,
+    ModelSettings,
     ResilienceSettings,
     Settings,
 )
@@ -437,6 +438,35 @@ async def test_discovery_merges_with_static_engines(make: Callable[..., EngineRe
     await reg.discover_once()
     assert urls(reg.engines) == ["http://10.0.0.1:8200", "http://10.0.0.2:8200", "http://10.0.0.3:8200"]
     assert reg.get("http://10.0.0.2:8200").state == "draining"   # type: ignore[union-attr]
+
+
+async def test_discovery_of_a_prefill_and_a_decode_service(make: Callable[..., EngineRegistry],
+                                                             fleet: Fleet) -> None:
+    """A P/D fleet: two headless Services, each resolving to engines of its own role."""
+    records = {"prefill.ns": ["10.0.1.1"], "decode.ns": ["10.0.2.1", "10.0.2.2"]}
+
+    async def resolve(name: str, port: int) -> list[str]:
+        return records[name]
+
+    s = Settings(engines=[], models=[ModelSettings(name=MODEL)], discovery=[
+        {"dns_name": "prefill.ns", "port": 8200, "role": "prefill"},
+        {"dns_name": "decode.ns", "port": 8300, "role": "decode", "kv_events_port": 5557}])
+    reg = make(s, resolver=resolve)
+    await reg.discover_once()
+    assert [(e.url, e.role) for e in reg.engines] == [
+        ("http://10.0.1.1:8200", "prefill"), ("http://10.0.2.1:8300", "decode"),
+        ("http://10.0.2.2:8300", "decode")]
+    assert [e.url for e in reg.candidates(MODEL, "decode")] == ["http://10.0.2.1:8300", "http://10.0.2.2:8300"]
+    records["decode.ns"] = ["10.0.2.2"]                   # one decode pod went away; prefill untouched
+    await reg.discover_once()
+    assert [(e.url, e.role) for e in reg.engines] == [       # idle, so dropped at once
+        ("http://10.0.1.1:8200", "prefill"), ("http://10.0.2.2:8300", "decode")]
+
+
+def test_discovery_accepts_one_mapping_or_a_list() -> None:
+    one = Settings(discovery={"dns_name": "engines.ns", "port": 8200})
+    assert [d.dns_name for d in one.discovery] == ["engines.ns"]
+    assert Settings().discovery == []
 
 
 async def test_start_runs_discovery_and_probe_loops(make: Callable[..., EngineRegistry], fleet: Fleet) -> None:

@@ -115,8 +115,8 @@ class EngineRegistry:
         self._published: dict[str, tuple[EngineState, BreakerState]] = {}
         self._config_drain: dict[str, bool] = {}  # last `drain` seen per URL: only its changes apply
         self._static: list[EngineSettings] = list(settings.engines)
-        self._discovery = (DnsDiscovery(settings.discovery, resolver)
-                           if settings.discovery.dns_name is not None else None)
+        # One resolver per Service (a P/D fleet has a prefill and a decode Service, one role each).
+        self._discovery = [DnsDiscovery(d, resolver) for d in settings.discovery if d.dns_name is not None]
         self._tasks: list[asyncio.Task[None]] = []
         self._timers: dict[str, asyncio.TimerHandle] = {}   # per URL: re-check when a cooldown ends
         self.engines: list[Engine] = []
@@ -172,7 +172,7 @@ class EngineRegistry:
         self._apply(self._merged())
 
     def _merged(self) -> list[EngineSettings]:
-        found = self._discovery.engines if self._discovery is not None else []
+        found = [e for d in self._discovery for e in d.engines]
         return [*self._static, *found]
 
     def _budget(self, s: EngineSettings) -> int:
@@ -409,10 +409,10 @@ class EngineRegistry:
             await health()
 
     async def discover_once(self) -> None:
-        """One discovery round (no-op without ``discovery.dns_name``)."""
-        if self._discovery is None:
+        """One discovery round over every configured Service (no-op without any)."""
+        if not self._discovery:
             return
-        await self._discovery.discover()
+        await asyncio.gather(*(d.discover() for d in self._discovery))
         self._apply(self._merged())
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -423,9 +423,10 @@ class EngineRegistry:
         await self.probe_once()
         self._tasks.append(asyncio.create_task(self._every(self._interval, self.probe_once),
                                                name="engine-health"))
-        if self._discovery is not None:
+        if self._discovery:
+            interval = min(d.interval_s for d in self._discovery)
             self._tasks.append(asyncio.create_task(
-                self._every(self._discovery.interval_s, self.discover_once), name="engine-discovery"))
+                self._every(interval, self.discover_once), name="engine-discovery"))
 
     @staticmethod
     async def _every(interval_s: float, job: Callable[[], Awaitable[None]]) -> None:
