@@ -25,8 +25,12 @@ EngineRole = Literal["union", "prefill", "decode"]
 class ServerSettings(BaseModel):
     """Where the coordinator listens and how it treats clients."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field(
+        default="127.0.0.1", description="listen address; `0.0.0.0` in a pod (`--host` overrides it)"
+    )
+    port: int = Field(
+        default=8000, description="listen port for HTTP, NNRP and /metrics (`--port` overrides it)"
+    )
     api_keys: list[SecretStr] = Field(
         default_factory=list, description="Bearer keys accepted from clients; empty = no auth"
     )
@@ -34,9 +38,12 @@ class ServerSettings(BaseModel):
         default="strict",
         description="strict: unsupported request fields are a 400; compat: they are ignored and logged",
     )
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="larger bodies → 413")
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="larger request bodies → 413")
     metrics: bool = Field(default=True, description="serve Prometheus metrics on /metrics")
-    log_level: str = "info"
+    log_level: str = Field(
+        default="info", description="Python logging level of the coordinator and uvicorn (debug, info, "
+        "warning, error)"
+    )
     log_format: Literal["text", "json"] = Field(
         default="text", description="json: one JSON object per line; request events carry their fields as "
         "keys (docs/observability.md)",
@@ -59,17 +66,19 @@ class LimitsSettings(BaseModel):
         default=64, ge=2, description="deepest nesting of objects/arrays in a request body; deeper → 400"
     )
     header_timeout_s: float = Field(
-        default=10.0, gt=0, description="a connection must deliver a request's headers within this time"
+        default=10.0, gt=0, description="a request's headers must be complete this long after the "
+        "connection (or the request's first byte) → else 408 and the connection is closed"
     )
     body_timeout_s: float = Field(
         default=30.0, gt=0, description="a request body must arrive completely within this time (408)"
     )
     default_max_tokens: int | None = Field(
         default=None, ge=1, description="output cap applied when the client sets no max_tokens; "
-        "None = vLLM's behaviour (the rest of the context window; 16 for completions)",
+        "null = vLLM's behaviour (the rest of the context window; 16 for completions)",
     )
     request_id_max_length: int = Field(
-        default=128, ge=8, le=512, description="longest X-Request-Id adopted from a client"
+        default=128, ge=8, le=512, description="longest X-Request-Id adopted from a client (charset "
+        "A-Za-z0-9._:-); others are replaced by the coordinator's own id"
     )
 
 
@@ -82,7 +91,7 @@ class RenderSettings(BaseModel):
         "(streaming derender runs on one event loop per process, so capacity grows with processes)",
     )
     timeout_s: float = Field(default=5.0, gt=0, description="per render/derender call, not per stream")
-    max_connections: int = Field(default=128, ge=1, description="per sidecar")
+    max_connections: int = Field(default=128, ge=1, description="HTTP/1.1 keep-alive connections per sidecar")
     skip_s: float = Field(
         default=2.0, gt=0, description="a sidecar that refused a connection gets no calls for this long"
     )
@@ -112,13 +121,17 @@ class RenderSettings(BaseModel):
 class EngineSettings(BaseModel):
     """One token-only engine (`/inference/v1/generate`)."""
 
-    url: str
-    role: EngineRole = "union"
-    model: str | None = Field(default=None, description="served model name; None = any configured model")
-    weight: float = Field(default=1.0, gt=0)
+    url: str = Field(description="base URL of the engine's HTTP server, e.g. http://10.0.0.5:8200")
+    role: EngineRole = Field(
+        default="union", description="union: prefills and decodes; prefill / decode: one leg of a P/D handoff"
+    )
+    model: str | None = Field(default=None, description="served model name; null = any configured model")
+    weight: float = Field(
+        default=1.0, gt=0, description="multiplies admission.engine_tokens into this engine's budget"
+    )
     max_inflight_tokens: int | None = Field(
         default=None, ge=1, description="token budget (prompt + max_tokens of admitted requests); "
-        "None = admission.engine_tokens * weight",
+        "null = admission.engine_tokens * weight",
     )
     kv_events: str | None = Field(
         default=None, description="ZMQ endpoint where the engine publishes KV cache events "
@@ -141,18 +154,24 @@ class DiscoverySettings(BaseModel):
     ``engines``. ``discovery`` is a list of these (a single mapping is accepted as a list of one), so a
     P/D fleet lists its prefill and its decode Service."""
 
-    dns_name: str | None = Field(default=None, description="e.g. vllm-engines.default.svc.cluster.local")
-    port: int = Field(default=8000, ge=1, le=65535)
-    scheme: Literal["http", "https"] = "http"
-    role: EngineRole = "union"
-    model: str | None = None
+    dns_name: str | None = Field(
+        default=None, description="e.g. vllm-engines.default.svc.cluster.local; null = this entry is off"
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="the engines' HTTP port on each address")
+    scheme: Literal["http", "https"] = Field(default="http", description="scheme of the engine URLs built")
+    role: EngineRole = Field(default="union", description="role of every engine found under this name")
+    model: str | None = Field(
+        default=None, description="served model name of these engines; null = any configured model"
+    )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
     )
     kv_events_replay_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address serves KV-event replay here"
     )
-    interval_s: float = Field(default=10.0, gt=0)
+    interval_s: float = Field(
+        default=10.0, gt=0, description="resolve the name this often; a failed resolution keeps the last set"
+    )
 
 
 class TracingSettings(BaseModel):
@@ -175,19 +194,28 @@ class TracingSettings(BaseModel):
 class AdmissionSettings(BaseModel):
     """Token-based flow control in front of the engines (see docs/scheduling.md)."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True, description="false: never queue or refuse for budget (load is still counted for the "
+        "load scorer)"
+    )
     engine_tokens: int = Field(
-        default=131072, ge=1, description="default per-engine budget of in-flight tokens (times weight)"
+        default=131072, ge=1, description="default per-engine budget of in-flight tokens (prompt + "
+        "max_tokens times n of admitted requests), times the engine's weight"
     )
     global_tokens: int | None = Field(
         default=None, ge=1,
-        description="budget over all engines; None = no global cap (the per-engine budgets still apply)"
+        description="budget over all engines; null = no global cap (the per-engine budgets still apply)"
     )
-    max_queue: int = Field(default=1024, ge=0, description="requests allowed to wait; beyond → 429")
-    queue_timeout_s: float = Field(default=60.0, gt=0, description="longest wait before a 503")
-    retry_after_s: int = Field(default=1, ge=0, description="Retry-After sent with 429/503")
+    max_queue: int = Field(
+        default=1024, ge=0, description="requests allowed to wait for budget; one more → 429 + Retry-After"
+    )
+    queue_timeout_s: float = Field(
+        default=60.0, gt=0, description="longest wait for budget before a 503 + Retry-After"
+    )
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After (seconds) sent with 429/503")
     priority_header: str = Field(
-        default="x-request-priority", description="integer priority when the body has no `priority`"
+        default="x-request-priority", description="header carrying an integer priority (lower = sooner) "
+        "when the body has no `priority`; a gateway can set it per tenant"
     )
     max_waiting_per_engine: int | None = Field(
         default=None, ge=0, description="skip engines whose /metrics report more waiting requests",
@@ -201,8 +229,14 @@ class PrefixIndexSettings(BaseModel):
         default="approximate",
         description="approximate: learned from our own routing; precise: engines' KV events over ZMQ",
     )
-    block_size: int = Field(default=16, ge=1, description="must equal the engines' KV block size")
-    capacity_blocks: int = Field(default=200_000, ge=1, description="approximate: blocks kept per engine")
+    block_size: int = Field(
+        default=16, ge=1, description="hash block size in tokens: the engines' KV block size or a divisor "
+        "of it (equal gives exact counts)"
+    )
+    capacity_blocks: int = Field(
+        default=200_000, ge=1, description="approximate: blocks remembered per engine (LRU); set it near "
+        "the engine's real KV capacity in blocks"
+    )
     ttl_s: float = Field(default=900.0, gt=0, description="approximate: forget blocks not used for this long")
     pending_ttl_s: float = Field(
         default=10.0, gt=0, description="precise: a routed prompt counts as cached on its engine for this "
@@ -213,29 +247,37 @@ class BoundedLoadSettings(BaseModel):
     """The ``bounded_load`` picker (used by the affinity preset): no engine may take more than
     ``max(factor x fair share, fair share + slack)`` of the decisions of the last ``window_s``."""
 
-    factor: float = Field(default=1.25, ge=1.0)
+    factor: float = Field(default=1.25, ge=1.0, description="multiple of the fair share an engine may take")
     slack: float = Field(default=8.0, ge=0, description="extra decisions allowed above the fair share")
-    window_s: float = Field(default=30.0, gt=0)
+    window_s: float = Field(default=30.0, gt=0, description="the decisions of this long count towards shares")
 
 
 ScorerName = Literal["prefix", "load", "queue", "kv_usage"]
 
 
 class ScorerSettings(BaseModel):
-    name: ScorerName
-    weight: float = Field(default=1.0, ge=0)
+    """One scorer of the ``custom`` policy; the picker sees the weighted sum of the scores (each 0 to 1)."""
+
+    name: ScorerName = Field(
+        description="prefix: share of the prompt the engine holds; load: free share of its token budget; "
+        "queue: 1/(1+waiting); kv_usage: free KV cache"
+    )
+    weight: float = Field(default=1.0, ge=0, description="weight of this score in the sum")
 
 
 class SchedulingSettings(BaseModel):
     """Filters → scorers → picker. ``policy`` picks a preset; ``custom`` uses ``scorers``/``picker``."""
 
-    policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = "affinity"
+    policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = Field(
+        default="affinity", description="affinity: prefix (weight 2) + load with the bounded_load picker; "
+        "least_load: load with max_score; custom: `scorers` + `picker`",
+    )
     scorers: list[ScorerSettings] = Field(
         default_factory=lambda: [ScorerSettings(name="prefix", weight=2.0), ScorerSettings(name="load")],
-        description="policy custom only",
+        description="policy custom only: the scorers and their weights",
     )
     picker: Literal["max_score", "bounded_load", "round_robin", "random"] = Field(
-        default="bounded_load", description="policy custom only")
+        default="bounded_load", description="policy custom only: how the engine is picked from the scores")
     bounded_load: BoundedLoadSettings = Field(default_factory=lambda: BoundedLoadSettings())
     prefix: PrefixIndexSettings = Field(default_factory=PrefixIndexSettings)
 
@@ -270,45 +312,53 @@ class ResilienceSettings(BaseModel):
         default=2, ge=0, description="times one streaming prompt may move to another engine after its "
         "engine failed mid-stream (0: a mid-stream engine failure ends the stream with an error)",
     )
-    backoff_initial_s: float = Field(default=0.02, ge=0)
-    backoff_max_s: float = Field(default=0.5, ge=0)
+    backoff_initial_s: float = Field(
+        default=0.02, ge=0, description="first wait of the jittered exponential backoff between attempts"
+    )
+    backoff_max_s: float = Field(default=0.5, ge=0, description="longest wait between attempts")
     breaker_failures: int = Field(default=3, ge=1, description="consecutive failures that open a breaker")
-    breaker_cooldown_s: float = Field(default=10.0, gt=0, description="open time before a half-open probe")
+    breaker_cooldown_s: float = Field(
+        default=10.0, gt=0, description="open time before one half-open trial request"
+    )
     telemetry: bool = Field(default=True, description="scrape engines' /metrics with each health probe")
 
 
 class ModelSettings(BaseModel):
     """A model clients may ask for: its served name (as render knows it) and aliases."""
 
-    name: str
-    aliases: list[str] = Field(default_factory=list)
+    name: str = Field(description="the served model name render and engines use")
+    aliases: list[str] = Field(default_factory=list, description="further names clients may ask for")
     max_model_len: int | None = Field(
-        default=None, ge=1, description="None = read from the render sidecar's /v1/models"
+        default=None, ge=1, description="longest prompt + output in tokens; null = read from the "
+        "render sidecar's /v1/models"
     )
     vocab_size: int | None = Field(
-        default=None, ge=1, description="token ids must be below this; None = learned from the model "
+        default=None, ge=1, description="token ids must be below this; null = learned from the model "
         "folder (`path`, else the sidecar's `root`): max(config.json vocab_size, tokenizer ids + 1)",
     )
     path: str | None = Field(
-        default=None, description="model folder or hub id to learn vocab_size from; None = the render "
+        default=None, description="model folder or hub id to learn vocab_size from; null = the render "
         "sidecar's `root`",
     )
     tokenizer_path: str | None = Field(
         default=None, description="tokenizer folder or hub id for the local tokenizer used when render "
-        "is unavailable; None = `path`, else the sidecar's `root`",
+        "is unavailable; null = `path`, else the sidecar's `root`",
     )
 
 
 class EngineClientSettings(BaseModel):
     """Timeouts and pool sizes towards the engines."""
 
-    connect_timeout_s: float = Field(default=5.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect to an engine")
     stream_idle_timeout_s: float = Field(
         default=300.0, gt=0, description="max silence on a generate stream (engine queueing included)"
     )
     total_timeout_s: float = Field(default=1800.0, gt=0, description="non-streaming generate as a whole")
-    max_connections: int = Field(default=512, ge=1)
-    health_interval_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=512, ge=1, description="connections towards all engines together")
+    health_interval_s: float = Field(
+        default=5.0, gt=0, description="GET /health of each engine this often (and /metrics with "
+        "resilience.telemetry)"
+    )
 
 
 class StreamSettings(BaseModel):
@@ -399,10 +449,12 @@ class Settings(BaseSettings):
     obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
     nnrp: NnrpSettings = Field(default_factory=NnrpSettings)
     engines: list[EngineSettings] = Field(
-        default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")]
+        default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")],
+        description="the configured engines (discovered ones are merged in)",
     )
     models: list[ModelSettings] = Field(
-        default_factory=lambda: [ModelSettings(name="smollm2-135m-instruct", aliases=["gpt-4o-mini"])]
+        default_factory=lambda: [ModelSettings(name="smollm2-135m-instruct", aliases=["gpt-4o-mini"])],
+        description="the models clients may ask for",
     )
 
     @field_validator("discovery", mode="before")
