@@ -227,3 +227,14 @@ def test_type_names_for_any_pydantic_field() -> None:
     assert rows["odd.colour"].default == "`red`"
     assert rows["odd.sub"].env == "`R_ODD__SUB` (JSON)"
     assert rows["odd.sub.x"].env == ref.NO_ENV
+
+
+def test_operations_doc_lists_every_metric() -> None:
+    """docs/operations.md's metric table is hand-kept: a collector added without a row fails here."""
+    source = (ROOT / "coordinator" / "observability" / "metrics.py").read_text(encoding="utf-8")
+    exposed = {name + ("_total" if kind == "Counter" else "")
+               for kind, name in re.findall(r'(Counter|Gauge|Histogram)\(\s*"(coordinator_\w+)"', source)}
+    assert len(exposed) > 20
+    documented = set(re.findall(r"coordinator_\w+", (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")))
+    assert not exposed - documented, f"add to docs/operations.md, 'All metrics': {sorted(exposed - documented)}"
+    assert not documented - exposed, f"docs/operations.md names metrics that do not exist: {documented - exposed}"
