@@ -52,7 +52,9 @@ class MissingDescriptionError(ValueError):
     """Keys (or sections) the reference could only show without an explanation."""
 
     def __init__(self, keys: list[str]) -> None:
-        super().__init__("configuration keys without a description:\n" + "\n".join(f"  {k}" for k in keys))
+        super().__init__("configuration keys without a description (add description= to the field, or a "
+                         "docstring to the class, in coordinator/config.py):\n"
+                         + "\n".join(f"  {k}" for k in keys))
         self.keys = keys
 
 
@@ -96,11 +98,13 @@ def _model(tp: Any) -> type[BaseModel] | None:
     return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
 
-def _item_model(tp: Any) -> type[BaseModel] | None:
-    """The model of a ``list[Model]`` (or ``list[Model | None]``, a tuple or set of them)."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in _LISTS and args:
-        return _model(_strip_optional(args[0])[0])
+def _item_model(tp: Any) -> tuple[str, type[BaseModel]] | None:
+    """The entries' model of ``list[Model]`` (key suffix ``[]``) or ``dict[str, Model]`` (``.<name>``)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in _LISTS and args and (model := _model(_strip_optional(args[0])[0])) is not None:
+        return "[]", model
+    if origin in _MAPS and len(args) == 2 and (model := _model(_strip_optional(args[1])[0])) is not None:
+        return ".<name>", model
     return None
 
 
@@ -281,7 +285,7 @@ class _Walker:
             self.row(sec, key, info, field_env)
             item = _item_model(inner)
             if item is not None:
-                sec.children.append(self.section(item, f"{key}[]", None, sec.depth + 1))
+                sec.children.append(self.section(item[1], f"{key}{item[0]}", None, sec.depth + 1))
             elif nested is not None:  # an optional object: its row above, its keys below
                 sec.children.append(self.section(nested, key, None, sec.depth + 1))
 
@@ -306,15 +310,17 @@ def build_sections(root: type[BaseModel] = Settings) -> list[Section]:
         if nested is not None and inner is info.annotation:
             sections.append(walker.section(nested, key, env, 2, info.description))
         elif item is not None:  # a list section: the list's own row, then its entries' keys
-            doc = item.__dict__.get("__doc__")
+            (suffix, entry), doc = item, item[1].__dict__.get("__doc__")
             if not doc:
-                walker.missing.append(f"{key}[] (class {item.__name__} has no docstring)")
+                walker.missing.append(f"{key}{suffix} (class {entry.__name__} has no docstring)")
             sec = Section(key, 2, _paragraphs(doc))
             walker.row(sec, key, info, env)
-            walker.fill(sec, item, f"{key}[]", None)
+            walker.fill(sec, entry, f"{key}{suffix}", None)
             sections.append(sec)
         else:
             walker.row(top, key, info, env)
+            if nested is not None:  # an optional object at the top: its row, then its keys
+                top.children.append(walker.section(nested, key, None, 3))
     if walker.missing:
         raise MissingDescriptionError(walker.missing)
     return ([top] if top.rows else []) + sections
@@ -403,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = render(Settings, parse_notes(args.notes.read_text(encoding="utf-8")))
     except MissingDescriptionError as exc:
-        print(f"{exc}\nadd description= to these fields (or a docstring to the class) in "
-              "coordinator/config.py", file=sys.stderr)
+        print(exc, file=sys.stderr)
         return 2
     if args.write:
         Path(args.write).write_text(page, encoding="utf-8")

@@ -210,9 +210,11 @@ def test_type_names_for_any_pydantic_field() -> None:
         ratio: float = Field(default=0.5, gt=0, lt=1, description="d")
         name: str = Field(default="n", min_length=1, description="d")
         sub: Sub | None = Field(default=None, description="an optional object")
+        pools: dict[str, Sub] = Field(default_factory=dict, description="named entries")
 
     class Root(BaseSettings):
         model_config = SettingsConfigDict(env_prefix="R_", env_nested_delimiter="__")
+        level: int = Field(default=1, description="a key at the top")
         odd: Odd = Field(default_factory=Odd)
 
     sections = ref.build_sections(Root)
@@ -221,8 +223,11 @@ def test_type_names_for_any_pydantic_field() -> None:
         "odd.secrets": "list[secret]", "odd.table": "map[str, any]", "odd.pair": "[int, str]",
         "odd.colour": '"red" | "blue"', "odd.maybe": '"a" | "b" | null', "odd.path": "path",
         "odd.either": "int | str", "odd.ratio": "0 < float < 1", "odd.name": "str length ≥ 1",
-        "odd.sub": "object | null", "odd.sub.x": "int",
+        "odd.sub": "object | null", "odd.sub.x": "int", "odd.pools": "map[str, object]",
+        "odd.pools.<name>.x": "int", "level": "int",
     }
+    assert [s.path for s in sections] == ["", "odd"]  # top-level scalars first, under "Top-level keys"
+    assert rows["level"].env == "`R_LEVEL`"
     assert rows["odd.pair"].default == "`[1, a]`"
     assert rows["odd.colour"].default == "`red`"
     assert rows["odd.sub"].env == "`R_ODD__SUB` (JSON)"
