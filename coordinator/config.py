@@ -60,7 +60,8 @@ class ServerSettings(BaseModel):
 
 
 class LimitsSettings(BaseModel):
-    """What one client request may cost or hold before any stage sees it (see docs/decisions.md)."""
+    """What one client request may cost or hold before any stage sees it (docs/openai-api.md, "Request
+    limits"; the reasons: docs/decisions.md)."""
 
     max_json_depth: int = Field(
         default=64, ge=2, description="deepest nesting of objects/arrays in a request body; deeper → 400"
@@ -389,7 +390,8 @@ class ObfuscationSettings(BaseModel):
     (docs/decisions.md, "Token obfuscation")."""
 
     enabled: bool = Field(
-        default=False, description="map token ids semantic → physical towards engines and back; also "
+        default=False, description="map token ids semantic → physical towards engines and back (needs "
+        "`key_file`); also "
         "refuses every route that would send plain ids to an engine's native API",
     )
     key_file: str | None = Field(
@@ -419,10 +421,12 @@ class NnrpSettings(BaseModel):
         description="larger client frames get a frame_too_large error frame (the session goes on)",
     )
     initial_credits: int = Field(
-        default=64, ge=0, description="result frames an operation may receive before the client grants more"
+        default=64, ge=0, description="result frames an operation may receive before the client grants "
+        "more (credit frames)"
     )
     max_operations: int = Field(
-        default=256, ge=1, description="open operations per session; a submit beyond it is refused"
+        default=256, ge=1, description="open operations per session; a submit beyond it gets a "
+        "too_many_operations error frame"
     )
 
 
