@@ -205,7 +205,7 @@ def test_type_names_for_any_pydantic_field() -> None:
         pair: tuple[int, str] = Field(default=(1, "a"), description="d")
         colour: Colour = Field(default=Colour.RED, description="d")
         maybe: Literal["a", "b"] | None = Field(default=None, description="d")
-        path: Path = Field(default=Path("/tmp"), description="d")
+        path: Path = Field(default=Path("models"), description="d")
         either: int | str = Field(default=3, description="d")
         ratio: float = Field(default=0.5, gt=0, lt=1, description="d")
         name: str = Field(default="n", min_length=1, description="d")
