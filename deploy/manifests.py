@@ -573,7 +573,7 @@ def check_images(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
     repo, tag = image_parts(f.coordinator_container["image"])
     if repo.rsplit("/", 1)[-1] != docker.coordinator_image:
         yield f"[images] coordinator image {repo} is not {docker.coordinator_image} (deploy/docker)"
-    if tag != docker.project_version:
+    if tag != docker.project_version and not tag.startswith(docker.project_version + "-"):  # -<extras>
         yield f"[images] coordinator image tag {tag} != project version {docker.project_version}"
     tags: dict[str, str] = {}
     for r in f.renders:
