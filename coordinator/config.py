@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,7 +22,14 @@ from pydantic_settings import (
 EngineRole = Literal["union", "prefill", "decode"]
 
 
-class ServerSettings(BaseModel):
+class _Section(BaseModel):
+    """Base of every section: an unknown key is an error, so a misspelt key (``wieght``) stops start-up
+    instead of silently leaving the default in force."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
     """Where the coordinator listens and how it treats clients."""
 
     host: str = Field(
@@ -59,7 +66,7 @@ class ServerSettings(BaseModel):
     )
 
 
-class LimitsSettings(BaseModel):
+class LimitsSettings(_Section):
     """What one client request may cost or hold before any stage sees it (docs/openai-api.md, "Request
     limits"; the reasons: docs/decisions.md)."""
 
@@ -83,7 +90,7 @@ class LimitsSettings(BaseModel):
     )
 
 
-class RenderSettings(BaseModel):
+class RenderSettings(_Section):
     """The localhost vLLM render sidecars (render + derender): one process each, same model and flags."""
 
     url: str = Field(default="http://127.0.0.1:8100", description="the sidecar when `urls` is empty")
@@ -119,7 +126,7 @@ class RenderSettings(BaseModel):
         return list(self.urls) or [self.url]
 
 
-class EngineSettings(BaseModel):
+class EngineSettings(_Section):
     """One token-only engine (`/inference/v1/generate`)."""
 
     url: str = Field(description="base URL of the engine's HTTP server, e.g. http://10.0.0.5:8200")
@@ -150,7 +157,7 @@ class EngineSettings(BaseModel):
     )
 
 
-class DiscoverySettings(BaseModel):
+class DiscoverySettings(_Section):
     """One DNS name (a Kubernetes headless Service) whose addresses are engines of one role; merged with
     ``engines``. ``discovery`` is a list of these (a single mapping is accepted as a list of one), so a
     P/D fleet lists its prefill and its decode Service."""
@@ -175,7 +182,7 @@ class DiscoverySettings(BaseModel):
     )
 
 
-class TracingSettings(BaseModel):
+class TracingSettings(_Section):
     """OpenTelemetry spans for each stage of a request (optional extra ``tracing``; off by default)."""
 
     enabled: bool = Field(default=False, description="needs `pip install 'llm-coordinator[tracing]'`")
@@ -192,7 +199,7 @@ class TracingSettings(BaseModel):
     )
 
 
-class AdmissionSettings(BaseModel):
+class AdmissionSettings(_Section):
     """Token-based flow control in front of the engines (see docs/scheduling.md)."""
 
     enabled: bool = Field(
@@ -223,7 +230,7 @@ class AdmissionSettings(BaseModel):
     )
 
 
-class PrefixIndexSettings(BaseModel):
+class PrefixIndexSettings(_Section):
     """Which prompt prefixes each engine holds, for KV-affinity."""
 
     source: Literal["none", "approximate", "precise"] = Field(
@@ -244,7 +251,7 @@ class PrefixIndexSettings(BaseModel):
         "long, until the engine's KV events confirm it (covers prefills still running)")
 
 
-class BoundedLoadSettings(BaseModel):
+class BoundedLoadSettings(_Section):
     """The ``bounded_load`` picker (used by the affinity preset): no engine may take more than
     ``max(factor x fair share, fair share + slack)`` of the decisions of the last ``window_s``."""
 
@@ -256,7 +263,7 @@ class BoundedLoadSettings(BaseModel):
 ScorerName = Literal["prefix", "load", "queue", "kv_usage"]
 
 
-class ScorerSettings(BaseModel):
+class ScorerSettings(_Section):
     """One scorer of the ``custom`` policy; the picker sees the weighted sum of the scores (each 0 to 1)."""
 
     name: ScorerName = Field(
@@ -266,7 +273,7 @@ class ScorerSettings(BaseModel):
     weight: float = Field(default=1.0, ge=0, description="weight of this score in the sum")
 
 
-class SchedulingSettings(BaseModel):
+class SchedulingSettings(_Section):
     """Filters → scorers → picker. ``policy`` picks a preset; ``custom`` uses ``scorers``/``picker``."""
 
     policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = Field(
@@ -283,7 +290,7 @@ class SchedulingSettings(BaseModel):
     prefix: PrefixIndexSettings = Field(default_factory=PrefixIndexSettings)
 
 
-class TopologySettings(BaseModel):
+class TopologySettings(_Section):
     """Union (one engine per request) or Handoff (prefill engine → decode engine)."""
 
     mode: Literal["auto", "union", "handoff"] = Field(
@@ -301,7 +308,7 @@ class TopologySettings(BaseModel):
     )
 
 
-class ResilienceSettings(BaseModel):
+class ResilienceSettings(_Section):
     """Retries before the first client byte, and one circuit breaker per engine."""
 
     retries: int = Field(default=2, ge=0, description="extra attempts, each on another engine")
@@ -324,7 +331,7 @@ class ResilienceSettings(BaseModel):
     telemetry: bool = Field(default=True, description="scrape engines' /metrics with each health probe")
 
 
-class ModelSettings(BaseModel):
+class ModelSettings(_Section):
     """A model clients may ask for: its served name (as render knows it) and aliases."""
 
     name: str = Field(description="the served model name render and engines use")
@@ -347,7 +354,7 @@ class ModelSettings(BaseModel):
     )
 
 
-class EngineClientSettings(BaseModel):
+class EngineClientSettings(_Section):
     """Timeouts and pool sizes towards the engines."""
 
     connect_timeout_s: float = Field(default=5.0, gt=0, description="TCP connect to an engine")
@@ -362,7 +369,7 @@ class EngineClientSettings(BaseModel):
     )
 
 
-class StreamSettings(BaseModel):
+class StreamSettings(_Section):
     """The per-request streaming path (docs/architecture.md, "Streaming")."""
 
     queue_chunks: int = Field(
@@ -385,7 +392,7 @@ class StreamSettings(BaseModel):
     )
 
 
-class ObfuscationSettings(BaseModel):
+class ObfuscationSettings(_Section):
     """Token obfuscation: engines serve a key-permuted model copy and see only physical token ids
     (docs/decisions.md, "Token obfuscation")."""
 
@@ -406,7 +413,7 @@ class ObfuscationSettings(BaseModel):
         return self
 
 
-class NnrpSettings(BaseModel):
+class NnrpSettings(_Section):
     """The NNRP front door: WebSocket sessions at ``/nnrp/v1`` on the server's port (docs/nnrp.md)."""
 
     enabled: bool = Field(default=True, description="serve /nnrp/v1 and /nnrp/v1/capabilities")
