@@ -27,11 +27,11 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, get_args
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from coordinator.config import DiscoverySettings, Settings
@@ -117,41 +117,12 @@ class _ConfigMapOnly(Settings):
 
 
 def parse_settings(text: str) -> Settings:
-    """The coordinator config in a ConfigMap, validated by the coordinator's own model; keys it does
-    not know are errors here even where the model would silently ignore them (nested sections do)."""
+    """The coordinator config in a ConfigMap, validated by the coordinator's own model (which refuses
+    unknown keys, so a misspelt one fails here rather than being ignored in the cluster)."""
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError("the coordinator config is not a YAML mapping")
-    settings = _ConfigMapOnly(**data)
-    unknown = unknown_keys(Settings, data)
-    if unknown:
-        raise ValueError(f"unknown config keys (the coordinator would ignore them): {', '.join(unknown)}")
-    return settings
-
-
-def unknown_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of keys in ``data`` that are no field of ``model`` (recursing into sections)."""
-    if not isinstance(data, dict):
-        return []
-    out: list[str] = []
-    for key, value in data.items():
-        info = model.model_fields.get(str(key))
-        if info is None:
-            out.append(f"{prefix}{key}")
-            continue
-        for sub in _models_in(info.annotation):
-            items = value if isinstance(value, list) else [value]
-            for i, item in enumerate(items):
-                where = f"{prefix}{key}[{i}]." if isinstance(value, list) else f"{prefix}{key}."
-                out.extend(unknown_keys(sub, item, where))
-    return out
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models inside a field's type (``X``, ``list[X]``, ``X | None``)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+    return _ConfigMapOnly(**data)
 
 
 def flag(container: Obj, name: str) -> str | None:

@@ -162,7 +162,7 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      lambda o: edit_config(o, lambda d: d["server"].update(drain_s=5)), "drain_s"),
     ("discovery key misspelt", "pd",
      lambda o: edit_config(o, lambda d: d["discovery"][1].update(kv_event_port=5557)),
-     "[config] unknown config keys (the coordinator would ignore them): discovery[1].kv_event_port"),
+     "discovery.1.kv_event_port"),
     ("config not mounted", "union",
      lambda o: set_flag(coordinator(o), "--config", "/etc/other/coordinator.yaml"),
      "[config] --config /etc/other/coordinator.yaml is not in a ConfigMap volume"),
