@@ -1,11 +1,11 @@
-"""The shipped deployments start exactly the render sidecars their coordinator config lists."""
+"""The local stack starts exactly the render sidecars its coordinator config lists (the Kubernetes pod's
+sidecars are checked against its config by ``deploy.manifests``, tests/unit/test_manifests.py)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
@@ -34,14 +34,3 @@ def test_local_stack_with_a_single_url_starts_one_sidecar(tmp_path: Path) -> Non
     path = tmp_path / "c.yaml"
     path.write_text("render: {url: 'http://127.0.0.1:9100'}\nengines: [{url: 'http://127.0.0.1:9200'}]\n")
     assert load_plan(path).renders == (("127.0.0.1", 9100),)
-
-
-def test_k8s_pod_runs_a_render_container_for_every_listed_sidecar() -> None:
-    config_map, deployment, *_ = yaml.safe_load_all((DEPLOY / "k8s" / "coordinator.yaml").read_text())
-    urls = settings_of(yaml.safe_load(config_map["data"]["coordinator.yaml"])).render.endpoints
-    containers = deployment["spec"]["template"]["spec"]["containers"]
-    renders = [c for c in containers if c["name"].startswith("render")]
-    ports = [int(c["args"][c["args"].index("--port") + 1]) for c in renders]
-    assert sorted(urlsplit(u).port for u in urls) == sorted(ports) and len(ports) >= 2
-    for c, port in zip(renders, ports, strict=True):
-        assert c["readinessProbe"]["httpGet"]["port"] == port
