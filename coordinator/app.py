@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -18,9 +19,9 @@ from coordinator.api.nnrp.routes import build_nnrp_router
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
 from coordinator.config import Settings
+from coordinator.observability import tracing
 from coordinator.observability.accounting import Accounting
 from coordinator.observability.metrics import Metrics
-from coordinator.observability.record import Observer
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.catalog import ModelCatalog
@@ -39,6 +40,9 @@ from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.topology.dispatcher import Dispatcher
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +88,17 @@ class Components:
         if self.native is not None:
             await self.native.client.aclose()
         await self.sidecar.aclose()
+        if isinstance(self.pipeline.observer, tracing.TracingObserver):  # flush the spans still batched
+            await asyncio.to_thread(self.pipeline.observer.shutdown)
 
 
-def build_components(settings: Settings, metrics_registry: CollectorRegistry | None = None) -> Components:
-    """``metrics_registry``: the embedding application's Prometheus registry (default: one of our own)."""
+def build_components(settings: Settings, metrics_registry: CollectorRegistry | None = None,
+                     tracer_provider: TracerProvider | None = None) -> Components:
+    """``metrics_registry``: the embedding application's Prometheus registry (default: one of our own).
+    ``tracer_provider``: an OpenTelemetry TracerProvider of the embedding application (or a test's, with
+    an in-memory exporter); it turns tracing on, and the caller keeps owning it (docs/tracing.md)."""
     metrics = Metrics(metrics_registry)
-    observer = Observer(metrics)
+    observer = tracing.build_observer(settings.tracing, metrics, tracer_provider)
     sidecar = SidecarClient(settings.render)
     engines = build_engine_client(settings)  # maps token ids to physical ones when obfuscation is on
     engines.on_abort = metrics.engine_abort
@@ -169,10 +178,11 @@ def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str
     return settings.models[0].name
 
 
-def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = None) -> FastAPI:
+def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = None,
+              tracer_provider: TracerProvider | None = None) -> FastAPI:
     """``metrics_registry``: collectors go there instead of a registry of the app's own (``/metrics``
-    serves whichever it is, when ``server.metrics`` is on)."""
-    c = build_components(settings, metrics_registry)
+    serves whichever it is, when ``server.metrics`` is on). ``tracer_provider``: see build_components."""
+    c = build_components(settings, metrics_registry, tracer_provider)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -184,6 +194,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
 
     app = FastAPI(title="LLM coordinator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.components = c
+    if isinstance(c.pipeline.observer, tracing.TracingObserver):  # the client's traceparent; span ends
+        app.add_middleware(tracing.TraceContextMiddleware)
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))

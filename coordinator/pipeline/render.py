@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any
 
+from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline.catalog import ModelCatalog, ModelEntry
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -59,6 +60,17 @@ class RenderStage:
         self.native_route = native_route  # the pipeline hands ``ctx.route == "native"`` requests to it
 
     async def __call__(self, ctx: RequestContext, entry: ModelEntry) -> None:
+        with tracing.stage("render", ctx.record, kind="client") as span:
+            await self._stage(ctx, entry)
+            if span is not None:
+                tokens = sum(p.prompt_tokens for p in ctx.prompts)
+                tracing.annotate(span, {"gen_ai.request.model": ctx.model,
+                                        "coordinator.prompts": len(ctx.prompts),
+                                        "gen_ai.usage.input_tokens": tokens,
+                                        "coordinator.tokenizer_source": ctx.tokenizer_source,
+                                        "coordinator.route": ctx.route})
+
+    async def _stage(self, ctx: RequestContext, entry: ModelEntry) -> None:
         started = time.monotonic()
         try:
             rendered = await self._render(ctx)

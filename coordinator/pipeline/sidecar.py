@@ -29,6 +29,7 @@ import httpx
 import msgspec
 
 from coordinator.config import RenderSettings
+from coordinator.observability import tracing
 from coordinator.pipeline.errors import (
     DerenderRejected,
     DerenderTimeout,
@@ -161,6 +162,7 @@ class SidecarClient:
         headers = {"content-type": "application/json"}
         if request_id:
             headers["x-request-id"] = request_id
+        tracing.inject(headers)  # traceparent of the render/derender span (nothing when tracing is off)
         first = self.pick(stage=stage)
         assert first is not None  # settings.endpoints is never empty
         try:

@@ -131,7 +131,8 @@ def _received(request: GenerateRequest, raw: Request) -> dict[str, Any]:
             "prompt_tokens": len(request.token_ids),
             "sampling_params": {"max_tokens": sp.max_tokens, "n": sp.n, "min_tokens": sp.min_tokens},
             "kv_transfer_params": request.kv_transfer_params
-            or (sp.extra_args or {}).get("kv_transfer_params")}
+            or (sp.extra_args or {}).get("kv_transfer_params"),
+            "traceparent": raw.headers.get("traceparent")}
 
 
 def _fault_response(faults: SimFaults) -> Response:
@@ -164,8 +165,8 @@ class SimServer:
         self.registry = build_registry(self.engine)
         self.generate_calls = 0
         self.history: deque[dict[str, Any]] = deque(maxlen=256)
-        """The last generate calls as received (id, stream, max_tokens, kv_transfer_params): lets a test
-        see what a coordinator sent to each leg of a P/D handoff."""
+        """The last generate calls as received (id, stream, max_tokens, kv_transfer_params, traceparent):
+        lets a test see what a coordinator sent to each leg of a P/D handoff."""
         self.last_ids: dict[str, Any] | None = None
         """The token ids of the last generate call as received (prompt, stop_token_ids): lets a test see
         which ids reached the engine (token obfuscation sends physical ones)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from coordinator.observability import tracing
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.errors import DerenderUnavailable
 from coordinator.pipeline.sidecar import SidecarClient, encode
@@ -87,7 +88,9 @@ class Derenderer:
                     "prompt_token_ids": [p.prompt_token_ids for p in ctx.prompts],
                     "completion_request": ctx.derender_request}
             path = "/v1/completions/derender"
-        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
+        calls: tracing.Attributes = {"coordinator.derender.calls": 1}
+        with tracing.stage("derender", ctx.record, kind="client", attributes=calls):
+            out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderUnavailable("derender returned an unexpected body")
         return out

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
@@ -115,7 +116,18 @@ class PromptStream:
         """Consume engine chunks until every choice is finished (normally or by a stop string).
 
         Returning early (every choice done, one of them by a stop string) lets the caller close the
-        engine stream, which aborts what the engine still generates."""
+        engine stream, which aborts what the engine still generates. Traced as one ``derender`` span
+        for the whole stream (its calls counted), never one per call: at low load a call is a token."""
+        with tracing.stage("derender", self.ctx.record, kind="client",
+                           attributes={"coordinator.prompt.index": self.plan.index}) as span:
+            try:
+                await self._run(chunks, emit)
+            finally:
+                if span is not None:
+                    tracing.annotate(span, {"coordinator.derender.calls": self.derender_calls,
+                                            "coordinator.derender.tokens": self.completion_tokens})
+
+    async def _run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
         if not self._coalescing.enabled:
             async for chunk in chunks:
                 choices = chunk.get("choices") or []

@@ -18,6 +18,7 @@ import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
+from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
@@ -78,10 +79,12 @@ class EngineClient:
         """Non-streaming generate; the whole output in one JSON body."""
         payload = {**body, "stream": False, "stream_options": None}
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
+        headers = {"X-Request-Id": request_id}
+        tracing.inject(headers)  # the engine leg's traceparent: vLLM's own spans join the trace
         try:
             with self._lanes.lane() as http:
                 resp = await http.post(f"{engine.url}/inference/v1/generate", json=payload,
-                                       headers={"X-Request-Id": request_id}, timeout=timeout)
+                                       headers=headers, timeout=timeout)
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
@@ -111,8 +114,10 @@ class EngineClient:
     @contextlib.asynccontextmanager
     async def _open(self, http: httpx.AsyncClient, engine: Engine, payload: dict[str, Any],
                     request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        headers = {"X-Request-Id": request_id}
+        tracing.inject(headers)
         req = http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
-                                 headers={"X-Request-Id": request_id})
+                                 headers=headers)
         try:
             resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:

@@ -25,12 +25,18 @@ from tenacity import (
 )
 
 from coordinator.config import ResilienceSettings, TopologySettings
+from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.engines.client import EngineClient, EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.client import (
+    EngineClient,
+    EngineStreamError,
+    EngineUnreachable,
+    engine_request_id,
+)
 from coordinator.pipeline.engines.outcome import record_failure, release
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
@@ -116,7 +122,8 @@ class Dispatcher:
         return self._retrying(req)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
-                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]]:
+                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
+                                      tracing.Leg | None]:
         return await self._open_once(ctx, generate, req)
 
     # -- one attempt --------------------------------------------------------------------------------
@@ -126,7 +133,8 @@ class Dispatcher:
             params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
             rid = attempt_id(generate["request_id"])
-            with self._outcome(engine, req, _phase(grant)):
+            with self._outcome(engine, req, _phase(grant)), \
+                    tracing.engine_leg(_phase(grant), engine.url, engine_request_id(rid)):
                 return await self._client.generate(engine, decode_body(generate, params), rid)
         except BaseException as exc:
             await self._count_death(grant, exc, req)
@@ -135,17 +143,21 @@ class Dispatcher:
             self._release(grant)
 
     async def _open_once(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
-                         ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]]]:
+                         ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
+                                    tracing.Leg | None]:
         grant = await self._admit(req)
         stack = contextlib.AsyncExitStack()
         try:
             params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
             rid = attempt_id(generate["request_id"])
-            with self._outcome(engine, req, _phase(grant), ok="streaming"):
+            leg = tracing.stream_leg(_phase(grant), engine.url, engine_request_id(rid))
+            if leg is not None:
+                stack.callback(leg.end)  # the leg lasts as long as its stream
+            with self._outcome(engine, req, _phase(grant), ok="streaming"), tracing.opening(leg):
                 chunks = await stack.enter_async_context(self._client.stream(
                     engine, decode_body(generate, params), rid, include_usage=ctx.include_usage))
-            return grant, stack, chunks
+            return grant, stack, chunks, leg
         except BaseException as exc:
             await stack.aclose()
             await self._count_death(grant, exc, req)
@@ -166,7 +178,8 @@ class Dispatcher:
             return None
         rid = attempt_id(generate["request_id"], "p")
         try:
-            with self._outcome(pre, req, "prefill"):
+            with self._outcome(pre, req, "prefill"), \
+                    tracing.engine_leg("prefill", pre.url, engine_request_id(rid)):
                 resp = await self._client.generate(
                     pre, prefill_body(generate, self._topology.prefill_kv_transfer_params), rid)
         finally:
@@ -190,8 +203,10 @@ class Dispatcher:
                             priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None)
 
     async def _admit(self, req: SchedRequest) -> Grant:
-        grant = await self._admission.admit(req, self._scheduler.place,
-                                            prefill_tokens=lambda p: req.prompt_tokens + 1)
+        with tracing.stage("admission", attributes={"coordinator.priority": req.priority,
+                                                    "coordinator.admission.cost_tokens": req.cost_tokens}):
+            grant = await self._admission.admit(req, tracing.placing(self._scheduler.place),
+                                                prefill_tokens=lambda p: req.prompt_tokens + 1)
         note_queue_delay(grant.waited_s)  # the request's observation record (runs in its task)
         return grant
 

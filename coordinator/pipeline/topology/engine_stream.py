@@ -39,6 +39,7 @@ from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, Up
 from coordinator.pipeline.scheduling.request import SchedRequest
 
 if TYPE_CHECKING:
+    from coordinator.observability.tracing import Leg
     from coordinator.pipeline.admission.controller import Grant
     from coordinator.pipeline.topology.dispatcher import Dispatcher
 
@@ -54,6 +55,7 @@ class Attempt:
     stack: contextlib.AsyncExitStack   # the open engine stream(s); closing aborts what is unfinished
     chunks: AsyncIterator[dict[str, Any]]
     req: SchedRequest
+    leg: Leg | None = None             # the attempt's span (tracing on), ended with its stream
 
     @property
     def engine(self) -> Engine:
@@ -111,8 +113,8 @@ class EngineStream:
         async for attempt in self._d.retrying(req):
             with attempt:
                 self._attempts += 1
-                grant, stack, chunks = await self._d.open_attempt(self._ctx, generate, req)
-                opened = Attempt(self._attempts, grant, stack, chunks, req)
+                grant, stack, chunks, leg = await self._d.open_attempt(self._ctx, generate, req)
+                opened = Attempt(self._attempts, grant, stack, chunks, req, leg)
         assert opened is not None
         return opened
 
@@ -208,6 +210,9 @@ class EngineStream:
               to_engine=attempt.engine.url, reason=type(exc).__name__, result="ok")
         # The replay's own request id is only for scheduling; the prompt's stays the same.
         attempt.req = req
+        if attempt.leg is not None:
+            attempt.leg.annotate({"coordinator.relay": self.relays,
+                                  "coordinator.relay.committed": len(self.ledger)})
         return attempt
 
     async def _end(self, attempt: Attempt, exc: BaseException | None) -> None:
@@ -218,6 +223,8 @@ class EngineStream:
         if exc is not None:
             event(log, "leg", self._ctx.request_id, level=logging.WARNING, engine=attempt.engine.url,
                   phase="stream", result=type(exc).__name__, tokens=self.handed_tokens, error=str(exc))
+            if attempt.leg is not None:
+                attempt.leg.failed(exc, **{"coordinator.stream.tokens": self.handed_tokens})
         try:
             await attempt.stack.aclose()
         finally:
