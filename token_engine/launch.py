@@ -6,7 +6,12 @@ Two modes, because the coordinator needs both:
   loaded, so it serves only ``/inference/v1/generate`` (+ abort) and rejects stop strings and text
   output; the coordinator renders/derenders through the sidecar and matches stop strings itself.
 * ``scale-out``: ``--enable-scale-out``, a normal OpenAI server that also exposes the scale-out routes;
-  used for A/B comparisons with the coordinator and as the native fallback path.
+  used for A/B comparisons with the coordinator and as the native fallback path. Lines before the
+  ``launchers`` entry modules have no such flag (their scale-out routes are always on), so it is left
+  out there (``token_engine.vllm_env.scale_out_flags``).
+
+The interpreter is ``python`` if given, else ``$LLMC_VLLM_PYTHON``, else this venv's: that is how
+``make compat-vllm`` runs engines from another vLLM line's venv (docs/versions.md).
 
 ``--enable-log-requests`` is on by default: tests assert on the engine's "Aborted request" lines to
 prove that a client disconnect really cancelled work inside the engine.
@@ -19,7 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, engine_base_argv, vllm_env
+from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, engine_base_argv, scale_out_flags, vllm_env
 from token_engine.vllm_server import VllmServer
 
 EngineMode = Literal["tokens-only", "scale-out"]
@@ -81,7 +86,7 @@ class VllmEngine(VllmServer):
         argv += [
             "--served-model-name", self.served_model_name,
             "--max-model-len", str(self.max_model_len),
-            MODE_FLAGS[self.mode],
+            *([MODE_FLAGS[self.mode]] if self.mode == "tokens-only" else scale_out_flags(self.python)),
         ]
         if self.enable_log_requests:
             argv.append("--enable-log-requests")

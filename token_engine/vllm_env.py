@@ -17,6 +17,13 @@ here so that each quirk is handled in exactly one place:
 * ``VLLM_WORKER_MULTIPROC_METHOD=spawn``: what the vLLM CLI sets; the entry modules set it too, we make
   it explicit so a forked EngineCore never inherits the launcher's threads.
 * ``PYTHONUNBUFFERED=1``: log lines reach our pump (and ``wait_for_line``) as they are written.
+* ``$LLMC_VLLM_PYTHON``: the interpreter vLLM children run with when no launcher names one (default:
+  this venv's). ``make compat-vllm`` points it at another vLLM line's venv (docs/versions.md).
+* **Older lines** (``make compat-vllm``; the child's vLLM version is read from its package metadata):
+  before 0.29 there is no ``vllm.entrypoints.launchers``, so the engine runs
+  ``vllm.entrypoints.openai.api_server`` and the render server, which only exists as
+  ``vllm launch render`` there (console script broken as above), runs from a few lines passed with
+  ``-c``; before 0.30 there is no ``--enable-scale-out`` (the scale-out routes are always on).
 
 GPU (production, ``vllm>=0.27.1``): the same entry modules and flags, minus the CPU ones. Do not set
 ``VLLM_TARGET_DEVICE``/``VLLM_CPU_KVCACHE_SPACE``; use ``--dtype auto`` (bf16) and let CUDA graphs be
@@ -28,15 +35,36 @@ captured (no ``--enforce-eager``); size memory with ``--gpu-memory-utilization 0
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
+import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 ENGINE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+LAUNCHERS_SINCE = (0, 29)       # vllm.entrypoints.launchers.{render,api_server}.entry
+SCALE_OUT_FLAG_SINCE = (0, 30)  # --enable-scale-out; before it the scale-out routes are always on
+# Before LAUNCHERS_SINCE: the engine's module, and `vllm launch render` without the console script
+# (what the later render entry module does, from 0.27/0.28's own functions).
+LEGACY_ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+LEGACY_RENDER_CODE = (
+    "import sys, uvloop\n"
+    "from vllm.entrypoints.cli.launch import run_launch_fastapi\n"
+    "from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args\n"
+    "from vllm.entrypoints.serve.utils.api_utils import cli_env_setup\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "if __name__ == '__main__':\n"
+    "    cli_env_setup()\n"
+    "    args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+    "    validate_parsed_serve_args(args)\n"
+    "    uvloop.run(run_launch_fastapi(args))\n"
+)
+VLLM_PYTHON_ENV = "LLMC_VLLM_PYTHON"  # interpreter for vLLM children (another line's venv)
 
 CPU_ENGINE_FLAGS: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager")
 GPU_ENGINE_FLAGS: tuple[str, ...] = ()  # vLLM defaults (bf16, CUDA graphs) are right on GPUs
@@ -105,9 +133,57 @@ def vllm_env(
     return env
 
 
+def vllm_python(python: str | None = None) -> str:
+    """The interpreter of a vLLM child: ``python``, else ``$LLMC_VLLM_PYTHON``, else this venv's."""
+    return python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+
+
+_VERSION_CODE = (
+    "import importlib.metadata as m\n"
+    "for d in ('vllm-cpu', 'vllm'):\n"
+    "    try:\n"
+    "        print(m.version(d)); break\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+)
+
+
+@functools.lru_cache(maxsize=16)
+def vllm_line(python: str) -> tuple[int, int] | None:
+    """(major, minor) of the vLLM that interpreter has (``vllm-cpu`` or ``vllm``), without importing it.
+
+    None when it cannot be told (no vLLM there, interpreter not runnable): callers assume the current line.
+    """
+    if os.path.abspath(python) == os.path.abspath(sys.executable):  # not realpath: venvs share one
+        version = next((importlib.metadata.version(d) for d in ("vllm-cpu", "vllm") if _installed(d)), "")
+    else:
+        try:
+            version = subprocess.run([python, "-c", _VERSION_CODE], capture_output=True, text=True,
+                                     timeout=30, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def _since(python: str, line: tuple[int, int]) -> bool:
+    found = vllm_line(python)
+    return found is None or found >= line
+
+
+def has_launchers(python: str) -> bool:
+    """Whether that interpreter's vLLM has the ``vllm.entrypoints.launchers`` entry modules."""
+    return _since(python, LAUNCHERS_SINCE)
+
+
 def module_argv(module: str, python: str | None = None) -> list[str]:
     """``[python, -m, module]``; the venv's interpreter by default, so children see the same vLLM."""
-    return [python or sys.executable, "-m", module]
+    return [vllm_python(python), "-m", module]
+
+
+def scale_out_flags(python: str | None = None) -> list[str]:
+    """``--enable-scale-out`` where that line has it; older lines serve the scale-out routes always."""
+    return ["--enable-scale-out"] if _since(vllm_python(python), SCALE_OUT_FLAG_SINCE) else []
 
 
 def engine_device_flags(cpu: bool) -> list[str]:
@@ -119,8 +195,10 @@ def render_base_argv(
     model_dir: str | os.PathLike[str], host: str, port: int, python: str | None = None
 ) -> list[str]:
     """Render sidecar command line up to the model and listen address (``--model`` never positional)."""
+    exe = vllm_python(python)
+    entry = module_argv(RENDER_MODULE, exe) if has_launchers(exe) else [exe, "-c", LEGACY_RENDER_CODE]
     return [
-        *module_argv(RENDER_MODULE, python),
+        *entry,
         "--model", str(model_dir), "--host", host, "--port", str(port),
     ]
 
@@ -129,8 +207,9 @@ def engine_base_argv(
     model_dir: str | os.PathLike[str], host: str, port: int, *, cpu: bool, python: str | None = None
 ) -> list[str]:
     """Engine command line up to the model, listen address and device flags."""
+    exe = vllm_python(python)
     return [
-        *module_argv(ENGINE_MODULE, python),
+        *module_argv(ENGINE_MODULE if has_launchers(exe) else LEGACY_ENGINE_MODULE, exe),
         "--model", str(model_dir), "--host", host, "--port", str(port),
         *engine_device_flags(cpu),
     ]
