@@ -1,13 +1,16 @@
-"""``python -m coordinator [--config PATH]``: run the coordinator with uvicorn."""
+"""``python -m coordinator [--config PATH]``: run the coordinator with uvicorn.
+
+SIGTERM (or Ctrl-C) drains it: ``/ready`` turns 503, the listener closes after
+``server.drain_delay_s``, in-flight work gets ``server.drain_timeout_s``, then it exits 0; a second
+signal exits at once (docs/shutdown.md)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-import uvicorn
-
 from coordinator.api.server import uvicorn_config
+from coordinator.api.shutdown import draining_server
 from coordinator.app import build_app
 from coordinator.config import load_settings
 from coordinator.observability.events import JsonFormatter
@@ -28,9 +31,11 @@ def main(argv: list[str] | None = None) -> None:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
-    config = uvicorn_config(build_app(settings), settings, host=host, port=port,
-                            log_level=settings.server.log_level, access_log=False)
-    uvicorn.Server(config).run()
+    app = build_app(settings)
+    # uvicorn's own graceful timeout is the backstop after the drain (which has its own deadline).
+    config = uvicorn_config(app, settings, host=host, port=port, log_level=settings.server.log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    draining_server(app, config).run()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.nnrp.routes import build_nnrp_router
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
+from coordinator.api.shutdown import install_drain
 from coordinator.config import Settings
 from coordinator.observability import tracing
 from coordinator.observability.accounting import Accounting
@@ -196,11 +197,12 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     app.state.components = c
     if isinstance(c.pipeline.observer, tracing.TracingObserver):  # the client's traceparent; span ends
         app.add_middleware(tracing.TraceContextMiddleware)
+    drain = install_drain(app, settings.server)  # SIGTERM: /ready 503, then drain (docs/shutdown.md)
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
     if settings.nnrp.enabled:
-        app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer))
+        app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
                             lambda: c.registry.engines, c.native.client if c.native is not None else None)
     accounting.export(c.metrics)
@@ -218,9 +220,9 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         engines = {e.url: e.state for e in c.registry.engines}
         # Without render, requests still answer through the render fallback (native route).
         fallback = c.native is not None and c.native.available()
-        ok = (sidecar_ok or fallback) and c.registry.any_healthy()
-        return JSONResponse({"ready": ok, "render": sidecar_ok, "render_sidecars": sidecars,
-                             "render_fallback": fallback, "engines": engines,
+        ok = (sidecar_ok or fallback) and c.registry.any_healthy() and not drain.draining
+        return JSONResponse({"ready": ok, "draining": drain.draining, "render": sidecar_ok,
+                             "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
                              "inflight": c.pipeline.inflight, "queued": c.admission.queue_length},
                             status_code=200 if ok else 503)
 

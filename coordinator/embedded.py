@@ -10,9 +10,8 @@ import socket
 import threading
 import time
 
-import uvicorn
-
 from coordinator.api.server import uvicorn_config
+from coordinator.api.shutdown import draining_server
 from coordinator.app import Components, build_app
 from coordinator.config import Settings
 
@@ -31,7 +30,7 @@ class EmbeddedCoordinator:
         self.app = build_app(settings)
         cfg = uvicorn_config(self.app, settings, host="127.0.0.1", port=self.port, log_level="warning",
                              lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(cfg)
+        self.server = draining_server(self.app, cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="coordinator")
 
     @property
@@ -58,7 +57,17 @@ class EmbeddedCoordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        drain = self.server.drain
+        self.thread.join(timeout=15 + (drain.delay_s + drain.timeout_s if drain.draining else 0))
+
+    def begin_drain(self) -> None:
+        """What SIGTERM does to ``python -m coordinator`` (signals reach only the main thread):
+        ``/ready`` turns 503, then the drain of docs/shutdown.md; the server stops when drained."""
+        self.server.begin_drain()
+
+    @property
+    def stopped(self) -> bool:
+        return not self.thread.is_alive()
 
     def wait_idle(self, timeout: float = 5.0) -> int:
         """Wait until nothing is in flight; returns what is left (0 when idle)."""

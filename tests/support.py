@@ -1,17 +1,26 @@
-"""Test helpers: the embedded coordinator under its test name, and SSE reading."""
+"""Test helpers: the embedded coordinator under its test name, a coordinator process, SSE reading."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from coordinator.embedded import EmbeddedCoordinator, free_port
+from token_engine.process import ManagedProcess
 
-__all__ = ["CoordinatorServer", "free_port", "sse_events", "streamed_text", "wait_until"]
+__all__ = ["CoordinatorProcess", "CoordinatorServer", "StreamReader", "free_port", "sse_events", "streamed_text",
+           "wait_until"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 CoordinatorServer = EmbeddedCoordinator
@@ -48,3 +57,66 @@ def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(pred())
+
+
+class CoordinatorProcess:
+    """``python -m coordinator --config <yaml>`` as its own process, as a pod runs it (real signals,
+    real exit status). ``config`` is the YAML tree; ``server.host``/``server.port`` are filled in.
+    ``with CoordinatorProcess(cfg, tmp_path) as c:`` waits for ``/ready`` and stops the process after."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, name: str = "coordinator") -> None:
+        self.port = free_port()
+        server = {**config.get("server", {}), "host": "127.0.0.1", "port": self.port}
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**config, "server": server}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_")}
+        self.process = ManagedProcess([sys.executable, "-m", "coordinator", "--config", str(path)], env=env,
+                                      name=name, cwd=ROOT, echo=bool(os.environ.get("LLMC_TEST_ECHO")),
+                                      log_path=workdir / f"{name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> CoordinatorProcess:
+        self.process.start()
+        try:
+            self.process.wait_http_ready(f"{self.url}/ready", timeout=120, interval=0.2)
+        except BaseException:
+            self.process.stop(timeout=5)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.stop(timeout=10)
+
+
+class StreamReader(threading.Thread):
+    """POSTs one streaming request and reads the body to its end in the background, so a test can act
+    while the stream runs. ``first`` is set once body bytes arrived; ``error`` keeps a transport error."""
+
+    def __init__(self, url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.path = url, body, path
+        self.first = threading.Event()
+        self.text = ""
+        self.status = 0
+        self.error: Exception | None = None
+        self.ended_at: float | None = None  # time.monotonic() when the body ended
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=120) as c, c.stream("POST", self.url + self.path, json=self.body) as r:
+                self.status = r.status_code
+                for chunk in r.iter_text():
+                    self.text += chunk
+                    self.first.set()
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first.set()
+
+    @property
+    def events(self) -> list[Any]:
+        return sse_events(httpx.Response(200, text=self.text))

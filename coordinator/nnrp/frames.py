@@ -22,6 +22,7 @@ ENCODINGS: Final = ("json", "msgpack")  # the server's preference when the clien
 # Close codes (WebSocket close frame). 1000/1001/1009/1011 have their RFC 6455 meaning.
 CLOSE_NORMAL: Final = 1000          # after the client's close frame
 CLOSE_RESTART: Final = 1012         # the server restarts or shuts down (sent by the WebSocket layer)
+CLOSE_GOING_AWAY: Final = 1001      # the server drains: after the session's operations (docs/shutdown.md)
 CLOSE_TOO_BIG: Final = 1009         # a message above the transport's hard limit (the server's, 16 MiB)
 CLOSE_INTERNAL: Final = 1011        # the session failed unexpectedly
 CLOSE_UNAUTHORIZED: Final = 4401    # open carried no valid API key

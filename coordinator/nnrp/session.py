@@ -40,6 +40,7 @@ from coordinator.nnrp.profile import (
     Envelope,
     Manifest,
     ProfileError,
+    error_event,
     map_chat_completion,
     parse_envelope,
 )
@@ -144,6 +145,8 @@ class Session:
         self._ending = False
         self._close_code = F.CLOSE_NORMAL
         self._close_reason = ""
+        self._going_away = False  # the server drains: no new operations, close 1001 when none is open
+        self._away = asyncio.Event()  # ends run(): going away with no operation open (or now)
         self._last_rx = time.monotonic()
         self._counter = 0
         self.frames_received = 0
@@ -157,16 +160,26 @@ class Session:
     def running_tasks(self) -> int:
         return sum(1 for t in self._tasks if not t.done())
 
+    def go_away(self, reason: str, *, now: bool = False) -> None:
+        """Server shutdown: refuse new operations and close with 1001 once the open ones are done, or
+        at once (``now``), cancelling them with source ``server`` (docs/shutdown.md)."""
+        if not self._going_away:
+            self._going_away = True
+            self._close_code, self._close_reason = F.CLOSE_GOING_AWAY, reason
+        if now or not self._ops:
+            self._away.set()
+
     # -- main loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
         reader = asyncio.create_task(self._read())
         beat = asyncio.create_task(self._beat())
+        away = asyncio.create_task(self._away.wait())
         try:
-            await asyncio.wait({reader, beat}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, beat, away}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (reader, beat):
+            for t in (reader, beat, away):
                 t.cancel()
-            await asyncio.gather(reader, beat, return_exceptions=True)
+            await asyncio.gather(reader, beat, away, return_exceptions=True)
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 log.error("nnrp session %s failed", self.id, exc_info=reader.exception())
                 self._close_code, self._close_reason = F.CLOSE_INTERNAL, "internal error"
@@ -206,16 +219,17 @@ class Session:
         then close the transport with the session's close code."""
         self._ending = True
         reason = self._close_reason or "session closed"
+        source = "server" if self._going_away and self._alive else "session"
         try:
             async with asyncio.timeout(_FLUSH_S):
                 for op in list(self._ops.values()):
-                    await self._cancel(op, "session", reason)
+                    await self._cancel(op, source, reason)
                 if self._tasks:  # terminal events already on their way, and the releases
                     await asyncio.wait(set(self._tasks))
         except TimeoutError:
             self._alive = False
         for op in list(self._ops.values()):  # a peer that does not read: end them without a word
-            self._cancel_now(op, "session", reason, force=True)
+            self._cancel_now(op, source, reason, force=True)
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         with contextlib.suppress(Exception):
@@ -295,6 +309,12 @@ class Session:
         if frame.op in self._ops:
             raise F.FrameError(F.DUPLICATE_OPERATION, f"operation {frame.op!r} is open in this session",
                                op=frame.op, frame_type="submit")
+        if self._going_away:  # a retryable refusal: the client submits again on a new session
+            self._remember(frame.op)
+            await self._send(F.result(frame.op, 0, error_event(
+                {"message": f"{self._close_reason}; submit on a new session",
+                 "type": "ServiceUnavailableError", "param": None, "code": 503})))
+            return
         if len(self._ops) >= self._settings.max_operations:
             raise F.FrameError(F.TOO_MANY_OPERATIONS, f"{self._settings.max_operations} operations are "
                                "open in this session", op=frame.op, frame_type="submit")
@@ -487,6 +507,8 @@ class Session:
             del self._ops[op.id]
             self._remember(op.id)
         op.credit_ready.set()
+        if self._going_away and not self._ops:
+            self._away.set()
 
     def _finished(self, op: Operation) -> None:
         if not op.closed:  # ended without a terminal event (session teardown): nothing more to send

@@ -6,6 +6,8 @@ the render sidecar runs parsers, since without one the engine's output is never 
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketState
@@ -13,6 +15,7 @@ from starlette.websockets import WebSocketState
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.routes import peer
+from coordinator.api.shutdown import Drain
 from coordinator.config import Settings
 from coordinator.nnrp.profile import Manifest, ServingCapabilities, build_manifest
 from coordinator.nnrp.session import Runner, Session
@@ -57,8 +60,9 @@ class WebSocketTransport:
 
 
 def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
-                      observer: Observer | None = None) -> APIRouter:
-    """``observer``: where each operation's observation record goes (the pipeline's)."""
+                      observer: Observer | None = None, drain: Drain | None = None) -> APIRouter:
+    """``observer``: where each operation's observation record goes (the pipeline's); ``drain``: the
+    server's shutdown state, which ends sessions with 1001 once their operations are done."""
     router = APIRouter()
     manifest = serving_manifest(settings)
     doc = manifest.to_dict()
@@ -66,9 +70,11 @@ def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
     @router.websocket(PATH)
     async def session(ws: WebSocket) -> None:
         await ws.accept()
-        await Session(WebSocketTransport(ws), runner, settings.nnrp, manifest, auth,
-                      authorization=ws.headers.get("authorization"), observer=observer,
-                      connection_id=peer(ws.client)).run()
+        s = Session(WebSocketTransport(ws), runner, settings.nnrp, manifest, auth,
+                    authorization=ws.headers.get("authorization"), observer=observer,
+                    connection_id=peer(ws.client))
+        with drain.hold(s) if drain is not None else contextlib.nullcontext():
+            await s.run()
 
     @router.get(f"{PATH}/capabilities")
     async def capabilities(request: Request) -> Response:
