@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from coordinator.config import ResilienceSettings
+from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
@@ -137,7 +138,8 @@ class NativeRoute:
             grant = await self._admit(req)
             engine = grant.placement.engine
             try:
-                out = await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
+                with tracing.engine_leg("native", engine.url):
+                    out = await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
             except BaseException as exc:
                 self._failed(engine, exc, req)
                 if self._retry(exc, req, tries):
@@ -161,9 +163,13 @@ class NativeRoute:
             grant = await self._admit(req)
             engine = grant.placement.engine
             stack = contextlib.AsyncExitStack()
+            leg = tracing.stream_leg("native", engine.url)
+            if leg is not None:
+                stack.callback(leg.end)  # the leg lasts as long as its stream
             try:
-                chunks = await stack.enter_async_context(
-                    self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
+                with tracing.opening(leg):
+                    chunks = await stack.enter_async_context(
+                        self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
             except BaseException as exc:
                 await stack.aclose()
                 self._release(grant)
@@ -203,7 +209,9 @@ class NativeRoute:
         return sorted(engines, key=lambda e: not e.healthy)
 
     async def _admit(self, req: SchedRequest) -> Grant:
-        return await self._admission.admit(req, self._scheduler.place)
+        with tracing.stage("admission", attributes={"coordinator.priority": req.priority,
+                                                    "coordinator.admission.cost_tokens": req.cost_tokens}):
+            return await self._admission.admit(req, tracing.placing(self._scheduler.place))
 
     def _release(self, grant: Grant) -> None:
         release(self._registry, grant)

@@ -10,6 +10,7 @@ wire changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -19,10 +20,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from starlette.requests import Request
+from starlette.responses import Response
 
 from coordinator import embedded
 from coordinator.app import build_app
-from coordinator.config import Settings
+from coordinator.config import EngineSettings, Settings
 from coordinator.observability.record import Observer
 from coordinator.observability.tracing import TracingObserver
 from tests.conftest import SERVED, CoordinatorFactory
@@ -266,3 +269,29 @@ async def test_an_nnrp_operation_is_one_trace_too(traced: Traced, sidecar: Recor
                     key=lambda s: s.start_time or 0)
     assert [s.name for s in stages] == ["render", "admission", "scheduling", "engine.union", "derender", "write"]
     assert attr(stages[-1], "coordinator.output.events") == len(events)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_native_route_is_traced_too(traced: Traced, model_dir: Path, exporter: InMemorySpanExporter,
+                                        stream: bool) -> None:
+    """Render down: the local tokenizer renders and the engine's own OpenAI API answers (decisions.md)."""
+    from tests.integration.test_native_route_sim import FakeNativeEngine, dead_render, models
+
+    class Native(FakeNativeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.traceparents: list[str | None] = []
+
+        async def _chat(self, request: Request) -> Response:
+            self.traceparents.append(request.headers.get("traceparent"))
+            return await super()._chat(request)
+
+    with Native() as native:
+        coord = traced(dead_render(), [], models=models(model_dir),
+                       engines=[EngineSettings(url=native.url, native_api=True)])
+        post(coord, chat(stream=stream), f"native-{stream}")
+        root, stages = request_trace(exporter, f"native-{stream}")
+        assert [s.name for s in stages] == ["render", "admission", "scheduling", "engine.native", "write"]
+        assert attr(stages[0], "coordinator.tokenizer_source") == "local"
+        assert attr(root, "coordinator.route") == "native"
+        assert parent_of(native.traceparents[-1]) == (root.context.trace_id, stages[3].context.span_id)

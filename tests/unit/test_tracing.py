@@ -185,3 +185,24 @@ def test_an_unsampled_client_trace_stays_unsampled(spans: tuple[tracing.TracingO
     _, trace_id, _, flags = headers["traceparent"].split("-")
     assert trace_id == CLIENT_TRACE and not int(flags, 16) & 1
     assert trace.get_current_span() is trace.INVALID_SPAN
+
+
+def test_a_websocket_session_parents_each_operation_on_the_upgrade_traceparent(
+        spans: tuple[tracing.TracingObserver, InMemorySpanExporter]) -> None:
+    observer, exporter = spans
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        async def operation(n: int) -> None:  # NNRP runs each operation in a task of the session
+            record = observer.start("nnrp", request_id=f"op-{n}")
+            record.operation = "chat.completions.create"
+            record.finish()
+        await asyncio.gather(operation(1), operation(2))
+
+    scope = {"type": "websocket", "path": "/nnrp/v1",
+             "headers": [(b"traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01".encode())]}
+    asyncio.run(tracing.TraceContextMiddleware(app)(scope, lambda: None, lambda m: None))  # type: ignore[arg-type]
+    got = exporter.get_finished_spans()
+    assert [s.name for s in got] == ["nnrp chat.completions.create"] * 2
+    assert len({s.context.span_id for s in got}) == 2  # one span per operation, not per session
+    assert all(f"{s.context.trace_id:032x}" == CLIENT_TRACE and s.parent is not None
+               and f"{s.parent.span_id:016x}" == CLIENT_SPAN for s in got)
