@@ -22,6 +22,7 @@ end from the record's first/last event times).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping
 from contextlib import AbstractContextManager
@@ -50,6 +51,7 @@ INSTALL_HINT = "pip install 'llm-coordinator[tracing]'"
 GEN_AI_OPERATIONS = {"chat.completions.create": "chat", "completions.create": "text_completion"}
 HTTP_PATHS = {"chat.completions.create": "/v1/chat/completions", "completions.create": "/v1/completions"}
 
+SHUTDOWN_WAIT_S = 3.0  # the longest shutdown waits for batched spans to reach the collector
 _enabled = False  # set once any coordinator in this process traces: the off path is this one read
 _NOOP: AbstractContextManager[None] = contextlib.nullcontext()
 
@@ -186,9 +188,13 @@ class TracingObserver(Observer):
             trace.end(trace.wall(record.ended))
 
     def shutdown(self) -> None:
-        """Flush and stop the provider built from the settings (blocking: run it off the loop)."""
+        """Flush and stop the provider built from the settings (blocking: run it off the loop), for at
+        most ``SHUTDOWN_WAIT_S``: an unreachable collector makes the exporter retry for seconds, and
+        must not hold up the coordinator's exit (what is left is dropped)."""
         if self.provider is not None:
-            self.provider.shutdown()
+            flush = threading.Thread(target=self.provider.shutdown, name="tracing-shutdown", daemon=True)
+            flush.start()
+            flush.join(SHUTDOWN_WAIT_S)
 
 
 class RequestTrace:

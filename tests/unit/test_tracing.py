@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,15 @@ def test_a_websocket_session_parents_each_operation_on_the_upgrade_traceparent(
     assert len({s.context.span_id for s in got}) == 2  # one span per operation, not per session
     assert all(f"{s.context.trace_id:032x}" == CLIENT_TRACE and s.parent is not None
                and f"{s.parent.span_id:016x}" == CLIENT_SPAN for s in got)
+
+
+def test_an_unreachable_collector_does_not_hold_up_shutdown() -> None:
+    from coordinator.embedded import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"
+    observer = tracing.build_observer(TracingSettings(enabled=True, endpoint=dead))
+    assert isinstance(observer, tracing.TracingObserver) and observer.tracer is not None
+    observer.tracer.start_span("pending").end()  # batched, never deliverable
+    started = time.monotonic()
+    observer.shutdown()
+    assert time.monotonic() - started < tracing.SHUTDOWN_WAIT_S + 1
