@@ -171,7 +171,10 @@ def test_bad_priority_header_is_400(render_sidecar: Any, two: list[SimulatedEngi
                                   "client_leaves_queue"])
 def test_budget_is_released_on_every_exit_path(render_sidecar: Any, coordinator_factory: CoordinatorFactory,
                                                path: str) -> None:
-    with sims(1, decode_s_per_token=0.005) as (sim,):
+    # The stream the client leaves must still be running when the test looks at the ledger, even on a
+    # loaded machine: 400 tokens at 20 ms leave it 8 s.
+    per_token = 0.02 if path == "client_leaves_stream" else 0.005
+    with sims(1, decode_s_per_token=per_token) as (sim,):
         coord = coordinator_factory(render_sidecar.url, [], engines=[{"url": sim.url, "max_inflight_tokens": 600}],
                                     engine_client={"stream_idle_timeout_s": 0.5})
         url = f"{coord.url}/v1/chat/completions"
