@@ -9,7 +9,7 @@
 #   make relay-proof  mid-stream relay on two real engines, 20 SIGKILLs (~15 min; docs/relay.md)
 #   make config-doc   regenerate docs/configuration.md from the config model (a test fails on drift)
 #   make manifests    render every deploy/k8s overlay into deploy/k8s/rendered/ and validate it
-#   make compat-vllm VLLM=0.27.1  the real-vLLM smoke against another vLLM build, in its own venv
+#   make compat-vllm VLLM=0.32.0  the real-vLLM smoke against a vLLM line (other lines in their own venv)
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -91,8 +91,9 @@ config-doc: venv
 manifests: venv
 	$(PY) -m deploy.manifests --out deploy/k8s/rendered
 
-# Another vLLM line, e.g. the lower bound: its own venv (.venv-vllm-<version>), then the real-vLLM
-# smoke with the render sidecar and engine from that venv (results recorded in docs/versions.md).
-VLLM ?= 0.27.1
+# Another vLLM line: its own venv (.venv-vllm-<version>; the current line 0.32.0 reuses .venv), then the
+# real-vLLM smoke with the render sidecar and engine from that venv (results in docs/versions.md, which
+# also says why lines before 0.32 are outside the supported range).
+VLLM ?= 0.32.0
 compat-vllm: venv model
 	$(PY) -m token_engine.compat_vllm --vllm $(VLLM)

