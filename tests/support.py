@@ -49,6 +49,15 @@ def streamed_text(events: list[Any], kind: str = "chat") -> dict[int, str]:
     return texts
 
 
+def refused(url: str) -> bool:
+    """True when a new connection to the server at ``url`` is refused (its listener is closed)."""
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
 def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> bool:
     """Poll ``pred`` until it holds (state changes on other threads: engines, coordinator tasks)."""
     deadline = time.monotonic() + timeout

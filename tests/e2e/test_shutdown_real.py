@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SERVED, VllmStack
-from tests.support import CoordinatorProcess, StreamReader, wait_until
+from tests.support import CoordinatorProcess, StreamReader, refused, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -46,14 +46,6 @@ def engine_metric(url: str, name: str, **labels: str) -> float:
             total += sum(s.value for s in fam.samples
                          if s.name in (name, f"{name}_total") and labels.items() <= s.labels.items())
     return total
-
-
-def refused(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/health", timeout=2)
-    except httpx.ConnectError:
-        return True
-    return False
 
 
 def content_chunks(events: list[Any]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import pytest
 
 from coordinator.nnrp.client import NnrpClient
 from tests.conftest import CoordinatorFactory
-from tests.support import CoordinatorServer, StreamReader, wait_until
+from tests.support import CoordinatorServer, StreamReader, refused, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 SERVED = "smollm2-135m-instruct"
@@ -44,14 +44,6 @@ async def until(pred: Callable[[], object], within: float = 10.0) -> bool:
         if pred() or time.monotonic() > deadline:
             return bool(pred())
         await asyncio.sleep(0.02)
-
-
-def refused(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/health", timeout=2)
-    except httpx.ConnectError:
-        return True
-    return False
 
 
 def ready(url: str) -> httpx.Response:
