@@ -44,6 +44,11 @@ REASON = "the server is shutting down"
 _GRACE_S = 5.0  # after the deadline: how long the cut requests get to write their last bytes
 
 
+RECORD_KEY = "coordinator.record"
+"""Where a door leaves the request's observation record in the ASGI scope, so that a request cut at
+the deadline is recorded as the 503 its client gets, not as a client that left."""
+
+
 def shutting_down() -> PipelineError:
     """What a client still being served at the deadline gets: a 503 it may retry elsewhere."""
     return PipelineError(f"{REASON}; retry the request", status=503, type="ServiceUnavailableError")
@@ -165,7 +170,12 @@ class DrainMiddleware:
                 if message.done():
                     return message.result()
                 message.cancel()  # uvicorn's receive only waits on an event: nothing is lost
-            ex.cut = True
+            if not ex.cut:
+                ex.cut = True
+                record = scope.get(RECORD_KEY)
+                if record is not None:
+                    exc = shutting_down()
+                    record.server_ended(exc.type, exc.status)
             return {"type": "http.disconnect"}
 
         async def send_unless_cut(message: Message) -> None:

@@ -82,6 +82,7 @@ class Record:
     cancel_source: str | None = None   # client, timeout, session, client_gone
     cancel_reason: str | None = None
     client_gone: bool = False          # the client's connection went away before the end
+    ended_by_server: bool = False      # cut at the drain deadline (the client got a 503, it did not leave)
     engine_abort_accepted: bool | None = None
     ended: float | None = None
     _aborts: list[asyncio.Future[bool]] = field(default_factory=list, repr=False)
@@ -131,9 +132,18 @@ class Record:
         self.cancel_reason = reason
 
     def gone(self, source: str = "client_gone", reason: str | None = None) -> None:
-        """The client's connection went away: counted as a disconnect, and a cancellation if unfinished."""
+        """The client's connection went away: counted as a disconnect, and a cancellation if unfinished.
+        Not when the server itself ended the request (``ended_by_server``): the client was still there."""
+        if self.ended_by_server:
+            return
         self.client_gone = True
         self.cancel(source, reason)
+
+    def server_ended(self, family: str, status: int) -> None:
+        """The server ended the request (the drain deadline at shutdown) through the same path a leaving
+        client takes; recorded as the error the client got, not as a disconnect."""
+        self.failed(family, status)
+        self.ended_by_server = True
 
     def complete(self, status: int = 200) -> None:
         if self.outcome is None:

@@ -55,6 +55,15 @@ def test_first_outcome_wins_and_gone_counts_a_disconnect() -> None:
     assert rec2.outcome == "cancelled" and rec2.status == CLIENT_CLOSED and rec2.client_gone
 
 
+def test_a_request_the_server_ended_is_its_error_not_a_disconnect() -> None:
+    rec = Record("http")
+    rec.server_ended("ServiceUnavailableError", 503)
+    rec.cancel("client_gone")      # the pipeline's client-gone path runs afterwards
+    rec.gone()                     # and so does the door's
+    assert (rec.outcome, rec.status, rec.error_family) == ("error", 503, "ServiceUnavailableError")
+    assert not rec.client_gone
+
+
 async def test_finish_waits_for_the_engine_to_answer_the_abort() -> None:
     observer = Observer(records=[])
     rec = observer.start("nnrp")

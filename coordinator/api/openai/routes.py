@@ -15,6 +15,7 @@ from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.body import read_json_body
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import OwningStreamingResponse, sse_body
+from coordinator.api.shutdown import RECORD_KEY
 from coordinator.config import Settings
 from coordinator.observability.record import Door, Record
 from coordinator.pipeline.catalog import ModelEntry
@@ -35,6 +36,7 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
         headers = {"X-Request-Id": request_id}
         record = start_record(pipeline, "http", request_id=request_id, connection_id=peer(request.client),
                               operation=OPERATIONS[kind])
+        request.scope[RECORD_KEY] = record  # the drain deadline records its cut as a 503 (api/shutdown.py)
         try:
             auth(request.headers.get("authorization"))
             body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
