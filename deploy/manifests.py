@@ -39,7 +39,7 @@ from coordinator.config import DiscoverySettings, Settings
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("union", "pd")
+OVERLAYS = ("union", "pd", "cpu")
 
 # The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
 # restartPolicy Always) are GA there. Validation uses this version's strict schemas (unknown fields
@@ -54,6 +54,12 @@ RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 # Engine images the manifests may name: vLLM's official GPU image, or the CPU target of
 # deploy/docker/vllm-cpu.Dockerfile (its LABEL title is added to this set from the Dockerfile).
 OFFICIAL_VLLM_IMAGE = "vllm/vllm-openai"
+# Tag suffix of the images built from deploy/docker/vllm-cpu.Dockerfile (v<vLLM>-cpu, as its build
+# lines and docs/deploy.md tag them); the vLLM version is the part before it.
+CPU_TAG_SUFFIX = "-cpu"
+# vLLM's CPU attention backend (CPU_ATTN, vLLM 0.32) takes only KV block sizes that are multiples of
+# this; any other --block-size makes the engine exit ("No common block size for 16 ...").
+CPU_BLOCK_MULTIPLE = 32
 
 Obj = dict[str, Any]
 
@@ -557,10 +563,93 @@ def check_images(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
         if repo != OFFICIAL_VLLM_IMAGE and repo.rsplit("/", 1)[-1] not in docker.engine_images:
             yield (f"[images] {e.name} image {repo} is neither {OFFICIAL_VLLM_IMAGE} "
                    f"nor {sorted(docker.engine_images)}")
+        if repo == OFFICIAL_VLLM_IMAGE and tag.endswith(CPU_TAG_SUFFIX):
+            yield (f"[images] {e.name}: {OFFICIAL_VLLM_IMAGE} has no {CPU_TAG_SUFFIX} tag; the CPU engine is "
+                   f"{sorted(docker.engine_images)} (deploy/docker/vllm-cpu.Dockerfile)")
         tags[e.name] = tag
     for name, tag in tags.items():
-        if tag.removesuffix("-cpu") != want_tag:
+        if tag.removesuffix(CPU_TAG_SUFFIX) != want_tag:
             yield f"[images] {name} runs vLLM {tag}; render and engines must all be {want_tag}"
+
+
+def is_cpu_fleet(f: Fleet, docker: DockerFacts) -> bool:
+    """A fleet whose engines or render sidecars run an image of deploy/docker/vllm-cpu.Dockerfile (the
+    CPU engine image, or a tag ending in -cpu): then all of them must (check_cpu)."""
+    engines = [image_parts(e.container["image"]) for e in f.engines]
+    renders = [image_parts(r["image"]) for r in f.renders]
+    return (any(repo.rsplit("/", 1)[-1] in docker.engine_images for repo, _ in engines)
+            or any(tag.endswith(CPU_TAG_SUFFIX) for _, tag in engines + renders))
+
+
+def memory_bytes(quantity: str | int | float) -> float:
+    """A Kubernetes memory quantity (``6Gi``, ``512M``, ``1e9``, ``4294967296``) in bytes."""
+    found = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|Ei|k|K|M|G|T|P|E|m)?\s*",
+                         str(quantity))
+    if found is None:
+        raise ValueError(f"not a memory quantity: {quantity!r}")
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "k": 1e3,
+             "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "m": 1e-3}
+    return float(found.group(1)) * units.get(found.group(2) or "", 1)
+
+
+def _gpu_resources(container: Obj) -> list[str]:
+    resources = container.get("resources") or {}
+    return sorted({key for kind in ("requests", "limits") for key in resources.get(kind) or {}
+                   if "gpu" in key.lower()})
+
+
+def check_cpu(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
+    """A CPU fleet (see is_cpu_fleet) runs the CPU build of vLLM everywhere and asks for no accelerator.
+    The CPU engine's needs are stated on the container, because Kubernetes ``args`` replace the image's
+    CMD (which carries --dtype float32 --enforce-eager): float32 (bf16 gave wrong text on CPUs without
+    native bf16), eager mode (torch.compile takes minutes on CPU), a block size vLLM's CPU attention
+    accepts, and a memory limit above the preallocated KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)."""
+    if not is_cpu_fleet(f, docker):
+        return
+    for r in f.renders:
+        repo, tag = image_parts(r["image"])
+        if not tag.endswith(CPU_TAG_SUFFIX):
+            yield (f"[cpu] {r['name']} runs {repo}:{tag}, not the CPU render image "
+                   f"({docker.render_image}:v{docker.vllm_version}{CPU_TAG_SUFFIX}) in a CPU fleet")
+    pods = [(f.coordinator["metadata"]["name"], f.coordinator_pod)] + [(e.name, e.pod) for e in f.engines]
+    for where, pod in pods:
+        for c in (pod.get("initContainers") or []) + pod["containers"]:
+            gpus = _gpu_resources(c)
+            if gpus:
+                yield f"[cpu] {where}/{c['name']} asks for {', '.join(gpus)} in a CPU fleet"
+    for e in f.engines:
+        c = e.container
+        repo, tag = image_parts(c["image"])
+        if repo.rsplit("/", 1)[-1] not in docker.engine_images or not tag.endswith(CPU_TAG_SUFFIX):
+            yield (f"[cpu] {e.name} runs {repo}:{tag}, not the CPU engine image "
+                   f"({'/'.join(sorted(docker.engine_images))}:v{docker.vllm_version}{CPU_TAG_SUFFIX})")
+        if flag(c, "--dtype") != "float32":
+            yield f"[cpu] {e.name}: --dtype {flag(c, '--dtype')} on CPU (want float32)"
+        if not has_flag(c, "--enforce-eager"):
+            yield f"[cpu] {e.name}: no --enforce-eager on CPU (torch.compile warm-up takes minutes)"
+        block = flag(c, "--block-size")
+        if block is not None and int(block) % CPU_BLOCK_MULTIPLE:
+            yield (f"[cpu] {e.name}: --block-size {block} is not a multiple of {CPU_BLOCK_MULTIPLE}: vLLM's "
+                   "CPU attention backend refuses it and the engine exits")
+        env = {v["name"]: v.get("value") for v in c.get("env") or []}
+        space = env.get("VLLM_CPU_KVCACHE_SPACE")
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        if space is None:
+            yield (f"[cpu] {e.name}: no VLLM_CPU_KVCACHE_SPACE value: state the KV cache size (GiB) "
+                   "the memory limit must hold")
+        elif not space.isdigit():
+            yield f"[cpu] {e.name}: VLLM_CPU_KVCACHE_SPACE {space!r} is not a whole number of GiB"
+        elif limit is None:
+            yield f"[cpu] {e.name}: no memory limit (the KV cache alone takes {space} GiB)"
+        else:
+            try:
+                room = memory_bytes(limit)
+            except ValueError as exc:
+                yield f"[cpu] {e.name}: memory limit: {exc}"
+                continue
+            if room <= int(space) * 2**30:
+                yield (f"[cpu] {e.name}: memory limit {limit} <= VLLM_CPU_KVCACHE_SPACE {space} GiB, "
+                       "which vLLM preallocates besides the weights")
 
 
 def check_model_paths(f: Fleet, s: Settings) -> Iterator[str]:
@@ -631,6 +720,7 @@ def cross_check(fleet: Fleet, docker: DockerFacts) -> list[tuple[str, list[str]]
     for name, check in CHECKS.items():
         results.append((name, list(check(fleet, s))))
     results.append(("images", list(check_images(fleet, s, docker))))
+    results.append(("cpu", list(check_cpu(fleet, s, docker))))
     return results
 
 

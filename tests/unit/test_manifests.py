@@ -94,14 +94,50 @@ def test_overlay_renders_validates_and_passes_every_cross_check(
     assert {"Deployment", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"} <= kinds
     assert m.schema_errors(objects) == []
     results = m.cross_check(m.load_fleet(objects), facts)
-    assert [name for name, _ in results] == ["config", *m.CHECKS, "images"]
+    assert [name for name, _ in results] == ["config", *m.CHECKS, "images", "cpu"]
     assert [e for _, errors in results for e in errors] == []
 
 
 def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered: dict[str, list[Obj]]) -> None:
     roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
              for name, objs in rendered.items()}
-    assert roles == {"union": ["union"], "pd": ["prefill", "decode"]}
+    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"]}
+
+
+def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
+                                                          facts: m.DockerFacts) -> None:
+    cpu, union = rendered["cpu"], rendered["union"]
+    assert [m.is_cpu_fleet(m.load_fleet(rendered[name]), facts) for name in m.OVERLAYS] == [
+        name == "cpu" for name in m.OVERLAYS]
+    # Built on ../union: the same objects, the same coordinator config (ConfigMap name and content).
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in cpu) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in union)
+    assert config_map(cpu) == config_map(union)
+    e = engine(cpu)
+    assert e["image"] == f"llm-coordinator-engine:v{facts.vllm_version}-cpu" and "command" not in e
+    assert [m.flag(e, "--dtype"), m.flag(e, "--block-size"), m.has_flag(e, "--enforce-eager")] == [
+        "float32", "128", True]
+    assert m.flag(e, "--gpu-memory-utilization") is None
+    assert {v["name"]: v.get("value") for v in e["env"]}["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert [render_c(cpu, i)["image"] for i in (0, 1)] == [f"llm-coordinator-render:v{facts.vllm_version}-cpu"] * 2
+    every = [c for o in cpu if o["kind"] in ("Deployment", "StatefulSet")
+             for c in o["spec"]["template"]["spec"].get("initContainers", []) + o["spec"]["template"]["spec"]["containers"]]
+    assert not [c["name"] for c in every if "gpu" in str(c.get("resources"))]
+    # The union overlay it builds on keeps its GPU engines.
+    assert engine(union)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert m.flag(engine(union), "--block-size") == "16"
+
+
+@pytest.mark.parametrize(("quantity", "expected"), [
+    ("6Gi", 6 * 2**30), ("512Mi", 512 * 2**20), ("1G", 1e9), ("4294967296", 2**32), ("1.5Gi", 1.5 * 2**30),
+    ("2e9", 2e9), (1024, 1024)])
+def test_memory_quantities(quantity: str | int, expected: float) -> None:
+    assert m.memory_bytes(quantity) == expected
+
+
+def test_memory_quantity_refuses_garbage() -> None:
+    with pytest.raises(ValueError, match="not a memory quantity"):
+        m.memory_bytes("6 gigs")
 
 
 def test_schema_validation_rejects_unknown_fields_and_wrong_types(rendered: dict[str, list[Obj]]) -> None:
@@ -146,6 +182,17 @@ def _no_nixl_host(objs: list[Obj]) -> None:
 def _drop_port(objs: list[Obj]) -> None:
     c = engine(objs)
     c["ports"] = [p for p in c["ports"] if p["containerPort"] != 5558]
+
+
+def _gpu_limit(objs: list[Obj]) -> None:
+    engine(objs)["resources"]["limits"]["nvidia.com/gpu"] = 1
+
+
+def _cpu_env(objs: list[Obj], value: str | None) -> None:
+    c = engine(objs)
+    c["env"] = [v for v in c["env"] if v["name"] != "VLLM_CPU_KVCACHE_SPACE"]
+    if value is not None:
+        c["env"].append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": value})
 
 
 def _grace(objs: list[Obj], seconds: int) -> None:
@@ -281,6 +328,50 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
     ("engine image unknown", "union",
      lambda o: engine(o).update(image="someone/vllm:v0.32.0"),
      "[images] llm-engine image someone/vllm is neither vllm/vllm-openai"),
+    ("official image with a -cpu tag", "union",
+     lambda o: engine(o).update(image="vllm/vllm-openai:v0.32.0-cpu"),
+     "[images] llm-engine: vllm/vllm-openai has no -cpu tag"),
+    ("CPU engine on another vLLM", "cpu",
+     lambda o: engine(o).update(image="llm-coordinator-engine:v0.31.0-cpu"),
+     "[images] llm-engine runs vLLM v0.31.0-cpu; render and engines must all be v0.32.0"),
+    ("GPU limit in the CPU fleet", "cpu", _gpu_limit,
+     "[cpu] llm-engine/engine asks for nvidia.com/gpu in a CPU fleet"),
+    ("GPU request on a CPU sidecar", "cpu",
+     lambda o: render_c(o, 0)["resources"]["requests"].update({"amd.com/gpu": 1}),
+     "[cpu] llm-coordinator/render-0 asks for amd.com/gpu in a CPU fleet"),
+    ("GPU engine image in the CPU fleet", "cpu",
+     lambda o: engine(o).update(image="vllm/vllm-openai:v0.32.0"),
+     "[cpu] llm-engine runs vllm/vllm-openai:v0.32.0, not the CPU engine image "
+     "(llm-coordinator-engine:v0.32.0-cpu)"),
+    ("CPU engine image without the -cpu tag", "cpu",
+     lambda o: engine(o).update(image="registry.example/llm-coordinator-engine:v0.32.0"),
+     "[cpu] llm-engine runs registry.example/llm-coordinator-engine:v0.32.0, not the CPU engine image"),
+    ("GPU render image in the CPU fleet", "cpu",
+     lambda o: render_c(o, 1).update(image="llm-coordinator-render:v0.32.0"),
+     "[cpu] render-1 runs llm-coordinator-render:v0.32.0, not the CPU render image "
+     "(llm-coordinator-render:v0.32.0-cpu)"),
+    ("one CPU sidecar makes a CPU fleet", "union",
+     lambda o: render_c(o, 0).update(image="llm-coordinator-render:v0.32.0-cpu"),
+     "[cpu] llm-engine/engine asks for nvidia.com/gpu in a CPU fleet"),
+    ("CPU engine in bfloat16", "cpu", lambda o: set_flag(engine(o), "--dtype", "bfloat16"),
+     "[cpu] llm-engine: --dtype bfloat16 on CPU (want float32)"),
+    ("CPU engine without --dtype", "cpu", lambda o: set_flag(engine(o), "--dtype", None),
+     "[cpu] llm-engine: --dtype None on CPU (want float32)"),
+    ("CPU engine compiling", "cpu", lambda o: engine(o)["args"].remove("--enforce-eager"),
+     "[cpu] llm-engine: no --enforce-eager on CPU"),
+    ("block size the CPU backend refuses", "cpu", lambda o: set_flag(engine(o), "--block-size", "16"),
+     "[cpu] llm-engine: --block-size 16 is not a multiple of 32"),
+    ("index blocks coarser than the CPU engines'", "cpu",
+     lambda o: edit_config(o, lambda d: d["scheduling"]["prefix"].update(block_size=256)),
+     "[block-size] llm-engine: --block-size 128 is not a multiple of scheduling.prefix.block_size 256"),
+    ("KV cache size left to the image", "cpu", lambda o: _cpu_env(o, None),
+     "[cpu] llm-engine: no VLLM_CPU_KVCACHE_SPACE value"),
+    ("KV cache size not in GiB", "cpu", lambda o: _cpu_env(o, "1.5"),
+     "[cpu] llm-engine: VLLM_CPU_KVCACHE_SPACE '1.5' is not a whole number of GiB"),
+    ("memory limit below the KV cache", "cpu", lambda o: _cpu_env(o, "8"),
+     "[cpu] llm-engine: memory limit 6Gi <= VLLM_CPU_KVCACHE_SPACE 8 GiB"),
+    ("CPU engine without a memory limit", "cpu", lambda o: engine(o)["resources"].pop("limits"),
+     "[cpu] llm-engine: no memory limit (the KV cache alone takes 1 GiB)"),
     ("engine model outside its mounts", "union",
      lambda o: set_flag(engine(o), "--model", "/data/served-model"),
      "[model-path] llm-engine: the model path is not inside a mounted volume"),
@@ -316,7 +407,18 @@ def test_each_cross_check_fails_on_a_broken_copy(
 def test_every_check_has_a_breaking_case() -> None:
     tags = {re.match(r"\[([a-z-]+)\]", expected).group(1)  # type: ignore[union-attr]
             for *_, expected in BROKEN if expected.startswith("[")}
-    assert tags == {"config", *m.CHECKS, "images"}
+    assert tags == {"config", *m.CHECKS, "images", "cpu"}
+
+
+def test_a_cpu_block_size_the_index_accepts_is_still_refused(rendered: dict[str, list[Obj]],
+                                                             facts: m.DockerFacts) -> None:
+    """--block-size 16 matches the coordinator's 16 (block-size passes), but the CPU engine exits on it."""
+    objs = copy.deepcopy(rendered["cpu"])
+    set_flag(engine(objs), "--block-size", "16")
+    results = dict(m.cross_check(m.load_fleet(objs), facts))
+    assert results["block-size"] == []
+    assert results["cpu"] == ["[cpu] llm-engine: --block-size 16 is not a multiple of 32: vLLM's CPU attention "
+                              "backend refuses it and the engine exits"]
 
 
 def test_facts_follow_the_dockerfiles_and_pyproject(facts: m.DockerFacts) -> None:
@@ -384,16 +486,28 @@ def test_docs_build_the_images_the_manifests_name(facts: m.DockerFacts) -> None:
     text = DOCS.read_text()
     for tag in (f"{facts.coordinator_image}:{facts.project_version}",
                 f"{facts.render_image}:v{facts.vllm_version}",
-                f"llm-coordinator-engine:v{facts.vllm_version}-cpu"):
+                f"{facts.render_image}:v{facts.vllm_version}{m.CPU_TAG_SUFFIX}",
+                f"llm-coordinator-engine:v{facts.vllm_version}{m.CPU_TAG_SUFFIX}"):
         assert f"-t {tag}" in text or f"-t ${{REGISTRY}}/{tag}" in text, tag
     assert "linted" in text
+    for name in m.OVERLAYS:
+        assert f"overlays/{name}" in text, name
+    assert "kubectl apply -k deploy/k8s/overlays/cpu" in text
+
+
+def test_the_cpu_dockerfile_tags_what_the_cpu_checks_expect(facts: m.DockerFacts) -> None:
+    """The -cpu suffix the image and cpu checks accept is the one vllm-cpu.Dockerfile's build lines use."""
+    text = (m.DOCKER / "vllm-cpu.Dockerfile").read_text()
+    for target, image in (("render", facts.render_image), *(("engine", e) for e in sorted(facts.engine_images))):
+        assert f"--target {target} -t {image}:v{facts.vllm_version}{m.CPU_TAG_SUFFIX} " in text, image
 
 
 # --- command line --------------------------------------------------------------------------------
 
 def test_cli_writes_every_overlay_and_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert m.main(["--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pd.yaml", "union.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{name}.yaml" for name in m.OVERLAYS)
+    assert "cpu.yaml" in {p.name for p in tmp_path.iterdir()}
     assert len(list(yaml.safe_load_all((tmp_path / "pd.yaml").read_text()))) >= 9
     out = capsys.readouterr().out
     assert "all checks passed" in out and "FAIL" not in out
