@@ -46,10 +46,9 @@ def _yaml_blocks(page: str) -> list[str]:
 def test_committed_page_matches_the_model() -> None:
     """The drift test: a key, default, description or note changed without regenerating the page."""
     page, committed = _page(), DOC.read_text(encoding="utf-8")
-    if committed != page:
-        diff = "\n".join(list(difflib.unified_diff(committed.splitlines(), page.splitlines(), "committed",
-                                                   "generated", lineterm="", n=1))[:40])
-        pytest.fail(f"docs/configuration.md is stale: run `make config-doc`\n{diff}")
+    diff = "\n".join(list(difflib.unified_diff(committed.splitlines(), page.splitlines(), "committed",
+                                               "generated", lineterm="", n=1))[:40])
+    assert committed == page, f"docs/configuration.md is stale: run `make config-doc`\n{diff}"
 
 
 def test_a_key_without_description_fails_the_generator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

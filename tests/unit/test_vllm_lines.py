@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -56,8 +59,39 @@ def test_older_lines_get_their_entry_points(monkeypatch: pytest.MonkeyPatch, tmp
     assert ("--enable-scale-out" in native) is scale_out_flag and "--tokens-only" not in native
 
 
-def test_legacy_render_code_compiles() -> None:
-    compile(LEGACY_RENDER_CODE, "<render>", "exec")
+def test_legacy_render_code_hands_the_command_line_to_vllms_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines before 0.29 have no render entry module: the ``-c`` program must parse the sidecar's flags
+    (after the program itself) with vLLM's serve parser and run the render app with them, only when
+    run as the main program. The vLLM modules it imports are stand-ins recording what reached them."""
+    seen: dict[str, object] = {}
+
+    def module(name: str, **attrs: object) -> types.ModuleType:
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, mod)
+        return mod
+
+    def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--model")
+        parser.add_argument("--port", type=int)
+        return parser
+
+    async def run_launch_fastapi(args: argparse.Namespace) -> None:
+        seen["launched"] = (args.model, args.port)
+
+    module("uvloop", run=lambda coro: asyncio.run(coro))
+    module("vllm.entrypoints.cli.launch", run_launch_fastapi=run_launch_fastapi)
+    module("vllm.entrypoints.openai.cli_args", make_arg_parser=make_arg_parser,
+           validate_parsed_serve_args=lambda args: seen.setdefault("validated", args.model))
+    module("vllm.entrypoints.serve.utils.api_utils", cli_env_setup=lambda: seen.setdefault("env", True))
+    module("vllm.utils.argparse_utils", FlexibleArgumentParser=argparse.ArgumentParser)
+
+    code = compile(LEGACY_RENDER_CODE, "<render>", "exec")
+    monkeypatch.setattr(sys, "argv", ["-c", "--model", "/models/m", "--port", "8100"])
+    exec(code, {"__name__": "imported"})   # a spawned child importing it starts nothing
+    assert seen == {}
+    exec(code, {"__name__": "__main__"})
+    assert seen == {"env": True, "validated": "/models/m", "launched": ("/models/m", 8100)}
 
 
 def test_line_of_this_venv_and_of_no_interpreter() -> None:
