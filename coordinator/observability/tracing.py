@@ -400,15 +400,19 @@ class Leg:
         self.span.end()
 
 
-def stream_leg(role: str, engine_url: str, engine_request_id: str | None = None,
+def stream_leg(role: str, engine_url: str, engine_request_id: str | None = None, *,
+               ends_with: contextlib.AsyncExitStack,
                **extra: str | int | float | bool | None) -> Leg | None:
-    """A streaming engine leg for the current request; None when it is not traced."""
+    """A streaming engine leg for the current request, ended when ``ends_with`` (the stack holding the
+    engine stream) closes: the leg lasts as long as its stream. None when the request is not traced."""
     trace = _trace(None)
     if trace is None:
         return None
     span = trace.start(f"engine.{role}", "client",
                        _drop_none(leg_attributes(role, engine_url, engine_request_id, **extra)))
-    return Leg(trace, span)
+    leg = Leg(trace, span)
+    ends_with.callback(leg.end)
+    return leg
 
 
 def opening(leg: Leg | None) -> AbstractContextManager[Span | None]:

@@ -163,9 +163,7 @@ class NativeRoute:
             grant = await self._admit(req)
             engine = grant.placement.engine
             stack = contextlib.AsyncExitStack()
-            leg = tracing.stream_leg("native", engine.url)
-            if leg is not None:
-                stack.callback(leg.end)  # the leg lasts as long as its stream
+            leg = tracing.stream_leg("native", engine.url, ends_with=stack)
             try:
                 with tracing.opening(leg):
                     chunks = await stack.enter_async_context(

@@ -39,6 +39,14 @@ def engine_request_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
+def call_headers(request_id: str) -> dict[str, str]:
+    """Headers of a call to an engine: ``X-Request-Id`` (the engine's id for the request, which abort
+    matches) and, for a traced request, the calling span's ``traceparent`` (vLLM's spans join it)."""
+    headers = {"X-Request-Id": request_id}
+    tracing.inject(headers)
+    return headers
+
+
 class EngineStreamError(UpstreamUnavailable):
     """The engine reported an error inside a stream that had already started."""
 
@@ -79,12 +87,10 @@ class EngineClient:
         """Non-streaming generate; the whole output in one JSON body."""
         payload = {**body, "stream": False, "stream_options": None}
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
-        headers = {"X-Request-Id": request_id}
-        tracing.inject(headers)  # the engine leg's traceparent: vLLM's own spans join the trace
         try:
             with self._lanes.lane() as http:
                 resp = await http.post(f"{engine.url}/inference/v1/generate", json=payload,
-                                       headers=headers, timeout=timeout)
+                                       headers=call_headers(request_id), timeout=timeout)
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
@@ -114,10 +120,8 @@ class EngineClient:
     @contextlib.asynccontextmanager
     async def _open(self, http: httpx.AsyncClient, engine: Engine, payload: dict[str, Any],
                     request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        headers = {"X-Request-Id": request_id}
-        tracing.inject(headers)
         req = http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
-                                 headers=headers)
+                                 headers=call_headers(request_id))
         try:
             resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:

@@ -20,8 +20,7 @@ import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
-from coordinator.observability import tracing
-from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable, call_headers
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
 
@@ -51,11 +50,9 @@ class NativeClient:
                        request_id: str) -> dict[str, Any]:
         """A non-streaming OpenAI call; the engine's JSON response."""
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
-        headers = {"X-Request-Id": request_id}
-        tracing.inject(headers)
         try:
             resp = await self._http.post(f"{engine.url}{PATHS[kind]}", json={**body, "stream": False},
-                                         headers=headers, timeout=timeout)
+                                         headers=call_headers(request_id), timeout=timeout)
         except httpx.HTTPError as exc:
             raise _send_failed(engine, exc) from exc
         data = _json_or_none(resp.content)
@@ -70,10 +67,8 @@ class NativeClient:
         """Open an SSE stream (yields once the engine answered 200) as an iterator of chunk dicts.
 
         Leaving the context closes the response: vLLM aborts the request when its client goes."""
-        headers = {"X-Request-Id": request_id}
-        tracing.inject(headers)
         req = self._http.build_request("POST", f"{engine.url}{PATHS[kind]}", json={**body, "stream": True},
-                                       headers=headers)
+                                       headers=call_headers(request_id))
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.HTTPError as exc:

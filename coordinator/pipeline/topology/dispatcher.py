@@ -151,9 +151,7 @@ class Dispatcher:
             params = await self._prefill_leg(grant, generate, req)
             engine = grant.placement.engine
             rid = attempt_id(generate["request_id"])
-            leg = tracing.stream_leg(_phase(grant), engine.url, engine_request_id(rid))
-            if leg is not None:
-                stack.callback(leg.end)  # the leg lasts as long as its stream
+            leg = tracing.stream_leg(_phase(grant), engine.url, engine_request_id(rid), ends_with=stack)
             with self._outcome(engine, req, _phase(grant), ok="streaming"), tracing.opening(leg):
                 chunks = await stack.enter_async_context(self._client.stream(
                     engine, decode_body(generate, params), rid, include_usage=ctx.include_usage))
