@@ -17,7 +17,15 @@ process (so its CPU is measurable and it does not share the load generator's eve
 sidecars (with their renderer workers) and the engine process. The simulated output is a function of
 the prompt, so every cell must stream the same texts: checked, per prompt, against the first cell.
 
+With ``--parser hermes`` (or ``olmo3``) the run compares instead: plain streams (a sidecar without
+parsers) and parser streams (requests with ``tools`` for hermes) on a sidecar with that parser and our
+parser-session cache, one sidecar each, coalescing as the coordinator decides it (hermes merges calls,
+olmo3 goes one token per call); target: parser tokens/s ≥ 0.5 times plain tokens/s. The same parser
+streams, fewer of them (``--stateless-streams``), also go through vLLM's own render server with that
+parser: their texts (content and reasoning) must equal the cached run's.
+
     python -m perf.capacity [--streams 64] [--tokens 256] [--sidecars 2] [--render-url URL[,URL]] [--quick]
+    python -m perf.capacity --parser hermes [--streams 64] [--tokens 1024] [--stateless-streams 4]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from coordinator.embedded import free_port
 from perf._procs import (
     SERVED,
     CoordinatorProcess,
@@ -49,15 +58,29 @@ from perf._report import Progress, final_json, save_figure, write_report
 
 NAME = "capacity"
 TARGET_TOKENS_PER_S = 3000.0
+TARGET_PARSER_VS_PLAIN = 0.5
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Current weather in a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                "required": ["city"]}},
+}
+PARSER_FLAGS: dict[str, dict[str, Any]] = {
+    "hermes": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
+    "olmo3": {"reasoning_parser": "olmo3"},
+}
 
 
 def prompts(n: int) -> list[str]:
     return [f"Question {i}: tell me a long story about the number {i}." for i in range(n)]
 
 
-def chat_body(prompt: str, tokens: int) -> dict[str, Any]:
-    return {"model": SERVED, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+def chat_body(prompt: str, tokens: int, parser: str | None = None) -> dict[str, Any]:
+    body = {"model": SERVED, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "ignore_eos": True, "stream": True, "temperature": 0}
+    if parser == "hermes":
+        body.update(tools=[WEATHER_TOOL], tool_choice="auto")
+    return body
 
 
 async def _chat_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[str, int]:
@@ -75,7 +98,8 @@ async def _chat_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                 raise RuntimeError(f"stream error: {frame['error']}")
             for c in frame.get("choices") or ():
                 frames += 1
-                parts.append((c.get("delta") or {}).get("content") or "")
+                delta = c.get("delta") or {}
+                parts.append((delta.get("reasoning") or "") + (delta.get("content") or ""))
     return "".join(parts), frames
 
 
@@ -90,13 +114,14 @@ async def _direct_stream(client: httpx.AsyncClient, url: str, body: dict[str, An
     return tokens
 
 
-async def wave_chat(url: str, texts: list[str], tokens: int) -> tuple[float, list[str], int]:
+async def wave_chat(url: str, texts: list[str], tokens: int,
+                    parser: str | None = None) -> tuple[float, list[str], int]:
     """All prompts at once; returns wall seconds, the streamed texts (prompt order), SSE frames."""
     limits = httpx.Limits(max_connections=len(texts) + 4, max_keepalive_connections=len(texts) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(_chat_stream(client, f"{url}/v1/chat/completions", chat_body(p, tokens))
-                                     for p in texts))
+        out = await asyncio.gather(*(_chat_stream(client, f"{url}/v1/chat/completions",
+                                                  chat_body(p, tokens, parser)) for p in texts))
         wall = time.perf_counter() - t0
     return wall, [t for t, _ in out], sum(f for _, f in out)
 
@@ -124,15 +149,15 @@ def per_1k(cpu: float | None, tokens: int) -> float | None:
 
 def run_cell(label: str, render_urls: list[str], render_pids: list[int | None], engine: str,
              engine_pid: int, coalesce: bool, texts: list[str], tokens: int, log: Path,
-             say: Progress) -> tuple[dict[str, Any], list[str]]:
+             say: Progress, parser: str | None = None) -> tuple[dict[str, Any], list[str]]:
     cfg = coordinator_config(render_urls, engine, coalesce)
     with CoordinatorProcess(cfg, log_path=log) as coord:
-        asyncio.run(wave_chat(coord.url, texts[:4], 8))   # warm-up: connections, first render
+        asyncio.run(wave_chat(coord.url, texts[:4], 8, parser))   # warm-up: connections, first render
         calls0 = [sidecar_calls(u) for u in render_urls]
         me = os.getpid()   # the load generator: if it saturates, the cell measures the client
         cpu0 = (cpu_sum([coord.pid]), cpu_sum(render_pids), cpu_sum([engine_pid]), own_cpu_s(me))
         try:
-            wall, streamed, frames = asyncio.run(wave_chat(coord.url, texts, tokens))
+            wall, streamed, frames = asyncio.run(wave_chat(coord.url, texts, tokens, parser))
         except (RuntimeError, httpx.HTTPError) as exc:   # recorded; the other cells still run
             say(f"{label}: FAILED: {exc}")
             return {"label": label, "sidecars": len(render_urls), "coalesce": coalesce,
@@ -170,9 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render-url", help="comma-separated running sidecars instead of starting them "
                                          "(their CPU is then not measured)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 streams x 32 tokens, 1 sidecar")
+    ap.add_argument("--parser", choices=sorted(PARSER_FLAGS), help="plain vs parser streams (see above)")
+    ap.add_argument("--stateless-streams", type=int, default=4,
+                    help="parser streams also run through vLLM's render server, for the output check")
     args = ap.parse_args(argv)
     if args.quick:
         args.streams, args.tokens, args.sidecars = 8, 32, 1
+    if args.parser:
+        parser_main(args)
+        return
     say = Progress(NAME)
     texts = prompts(args.streams)
     out_dir = write_report(NAME, {}, "# Streaming capacity\n\n(running)\n")
@@ -189,10 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             sidecars = stack.enter_context(render_sidecars(n, say, log_dir=out_dir))
             urls = [s.url for s in sidecars]
             pids = [sidecar_pid(s) for s in sidecars]
-        # Zero-cost engine: no prefill or decode time, one token per chunk (vLLM's default interval).
-        sim = {"model": SERVED, "mode": "random", "ttft_s": 0.0, "decode_s_per_token": 0.0,
-               "prefill_s_per_token": 0.0, "stream_interval": 1, "max_concurrency": 1024}
-        engines, engine_pid = stack.enter_context(sim_engines([sim]))
+        engines, engine_pid = stack.enter_context(sim_engines([zero_cost_engine()]))
         engine = engines[0]
 
         say(f"direct: {args.streams} streams x {args.tokens} tokens straight at the engine")
@@ -264,6 +292,115 @@ def main(argv: list[str] | None = None) -> None:
     head.update({"outputs_identical": f["outputs_identical"], "target_tokens_per_s": TARGET_TOKENS_PER_S,
                  "target_met": f["target_met"]})
     final_json(head)
+
+
+def zero_cost_engine() -> dict[str, Any]:
+    """No prefill or decode time, one token per chunk (vLLM's default interval)."""
+    return {"model": SERVED, "mode": "random", "ttft_s": 0.0, "decode_s_per_token": 0.0,
+            "prefill_s_per_token": 0.0, "stream_interval": 1, "max_concurrency": 1024}
+
+
+def parser_main(args: argparse.Namespace) -> None:
+    """Plain streams vs parser streams through the cache, and the parser streams' texts against vLLM's
+    stateless derender (``--parser``)."""
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.model_prep import ensure_model
+
+    parser: str = args.parser
+    name = f"{NAME}_{parser}"
+    say = Progress(name)
+    texts = prompts(args.streams)
+    out_dir = write_report(name, {}, f"# Streaming capacity with {parser}\n\n(running)\n")
+    log = out_dir / "coordinator.log"
+    log.write_text("")
+    model = ensure_model()
+    specs = {"plain": {}, "cached": {**PARSER_FLAGS[parser], "session_cache": True},
+             "stateless": {**PARSER_FLAGS[parser], "session_cache": False}}
+    with ExitStack() as stack:
+        servers = {}
+        for role, flags in specs.items():
+            s = RenderSidecar(model, port=free_port(), served_model_name=SERVED, echo=False,
+                              log_path=out_dir / f"render-{role}.log", **flags)
+            s.start()
+            stack.callback(s.stop)
+            servers[role] = s
+        say("waiting for 3 render sidecars (real vLLM): plain, cached parser, stateless parser")
+        for s in servers.values():
+            s.wait_ready(timeout=600)
+        engines, engine_pid = stack.enter_context(sim_engines([zero_cost_engine()]))
+        engine = engines[0]
+        cells: dict[str, dict[str, Any]] = {}
+        streamed: dict[str, list[str]] = {}
+        for role, use_parser, n in (("plain", None, args.streams), ("cached", parser, args.streams),
+                                    ("stateless", parser, min(args.stateless_streams, args.streams))):
+            label = {"plain": "plain streams", "cached": f"{parser} streams, session cache",
+                     "stateless": f"{parser} streams, vLLM's stateless derender"}[role]
+            say(f"{label}: {n} streams x {args.tokens} tokens through the coordinator")
+            s = servers[role]
+            cells[role], streamed[role] = run_cell(label, [s.url], [sidecar_pid(s)], engine, engine_pid, True,
+                                                   texts[:n], args.tokens, log, say, use_parser)
+    plain, cached, stateless = cells["plain"], cells["cached"], cells["stateless"]
+    k = len(streamed["stateless"])
+    same = bool(streamed["cached"]) and streamed["cached"][:k] == streamed["stateless"]
+    ratio = round(cached["streamed_tokens_per_s"] / plain["streamed_tokens_per_s"], 4) \
+        if plain["streamed_tokens_per_s"] else 0.0
+    f: dict[str, Any] = {
+        "parser": parser, "streams": args.streams, "tokens_per_stream": args.tokens, "quick": args.quick,
+        "stateless_streams": k, "cells": list(cells.values()),
+        "plain_tokens_per_s": plain["streamed_tokens_per_s"],
+        "parser_tokens_per_s": cached["streamed_tokens_per_s"],
+        "stateless_parser_tokens_per_s": stateless["streamed_tokens_per_s"],
+        "parser_vs_plain": ratio, "target_parser_vs_plain": TARGET_PARSER_VS_PLAIN,
+        "outputs_identical_to_stateless": same,
+    }
+    f["target_met"] = ratio >= TARGET_PARSER_VS_PLAIN and same
+    out = write_report(name, f, _parser_markdown(f))
+    _parser_plot(f, out / f"{name}.png")
+    say(f"report: {out}/report.md, plot: {out}/{name}.png")
+    final_json({"benchmark": name, **{k: f[k] for k in (
+        "plain_tokens_per_s", "parser_tokens_per_s", "stateless_parser_tokens_per_s", "parser_vs_plain",
+        "outputs_identical_to_stateless", "target_parser_vs_plain", "target_met")},
+        "parser_sidecar_cpu_s_per_1k": cached.get("sidecar_cpu_s_per_1k_tokens"),
+        "plain_sidecar_cpu_s_per_1k": plain.get("sidecar_cpu_s_per_1k_tokens"),
+        "parser_derender_calls_per_token": cached.get("derender_calls_per_token")})
+
+
+def _parser_markdown(f: dict[str, Any]) -> str:
+    rows = ["| cell | streams | streamed tok/s | derender calls / token | CPU s / 1k tokens: coordinator | "
+            "sidecar | load avg (1 min) |", "|---|---|---|---|---|---|---|"]
+    for c in f["cells"]:
+        if "error" in c:
+            rows.append(f"| {c['label']} | | failed: {c['error'][:120]} | | | | |")
+            continue
+        streams = c["tokens"] // f["tokens_per_stream"]
+        rows.append(f"| {c['label']} | {streams} | {c['streamed_tokens_per_s']} | "
+                    f"{_fmt(c['derender_calls_per_token'])} | {_fmt(c['coordinator_cpu_s_per_1k_tokens'])} | "
+                    f"{_fmt(c['sidecar_cpu_s_per_1k_tokens'])} | {c['load_avg_1m']} |")
+    verdict = "met" if f["target_met"] else "NOT met"
+    return (f"# Streaming capacity with the {f['parser']} parser\n\n{f['streams']} concurrent chat streams x "
+            f"{f['tokens_per_stream']} tokens (`ignore_eos`) against a zero-cost simulated engine, one "
+            "sidecar per cell, each cell a fresh coordinator process; the stateless cell runs the first "
+            f"{f['stateless_streams']} streams only.\n\n" + "\n".join(rows)
+            + f"\n\nParser streams / plain streams: **{f['parser_vs_plain']}** (target ≥ "
+            f"{f['target_parser_vs_plain']}); parser texts identical to vLLM's stateless derender: "
+            f"{f['outputs_identical_to_stateless']} — {verdict}.\n\n![plot](capacity_{f['parser']}.png)\n")
+
+
+def _parser_plot(f: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in f["cells"] if "error" not in c]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    ax.bar(range(len(cells)), [c["streamed_tokens_per_s"] for c in cells],
+           color=["tab:grey", "tab:blue", "tab:red"][:len(cells)])
+    ax.set_xticks(range(len(cells)), [c["label"].replace(", ", "\n") for c in cells], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("streamed tokens/s (log)")
+    ax.set_title(f"{f['streams']} streams x {f['tokens_per_stream']} tokens, zero-cost engine")
+    save_figure(fig, path)
 
 
 def _fmt(v: Any) -> str:

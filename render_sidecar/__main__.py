@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable-auto-tool-choice", action="store_true")
     parser.add_argument("--reasoning-parser", default=None)
     parser.add_argument("--renderer-num-workers", type=int, default=DEFAULT_RENDERER_WORKERS)
+    parser.add_argument("--session-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="parser-session cache (default: on where it can run, docs/parsers.md)")
     parser.add_argument("--log-file", type=Path, default=None, help="also append the server log here")
     parser.add_argument("--ready-timeout", type=float, default=DEFAULT_READY_TIMEOUT)
     args, extra = parser.parse_known_args(argv)
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
             extra_args=extra, log_path=args.log_file, renderer_num_workers=args.renderer_num_workers,
+            session_cache=args.session_cache,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -9,18 +9,26 @@ from it) and parser flags as the engines' model, so all of those are explicit pa
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
-from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, render_base_argv
+from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, render_base_argv, vllm_line, vllm_python
 from token_engine.vllm_server import VllmServer
 
 DEFAULT_PORT = 8100
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_RENDERER_WORKERS = 2
+SESSION_MODULE = "render_sidecar.server"  # vLLM's render server + the parser-session cache
+SESSION_CACHE_LINE = (0, 32)             # the vLLM line whose internals the cache drives
 
 
 class RenderSidecar(VllmServer):
-    """``python -m vllm.entrypoints.launchers.render.entry --model DIR ...`` with CPU-safe settings.
+    """Our render server (``python -m render_sidecar.server``: vLLM's render entry point plus the
+    parser-session cache, docs/parsers.md) or vLLM's own
+    (``python -m vllm.entrypoints.launchers.render.entry``), with CPU-safe settings.
+
+    ``session_cache``: None picks ours where it can run (this venv's interpreter, vLLM 0.32) and vLLM's
+    elsewhere (another vLLM line's venv under ``make compat-vllm``); False always picks vLLM's.
 
     ``start()`` spawns, ``wait_ready()`` waits for ``/health`` 200 (about 60 s on 2 cores, mostly
     ``import vllm``), ``stop()`` stops the process group; as a context manager it starts on enter
@@ -48,6 +56,9 @@ class RenderSidecar(VllmServer):
         python: str | None = None,
         cpu: bool | None = None,
         env_overrides: dict[str, str] | None = None,
+        session_cache: bool | None = None,
+        session_cache_entries: int | None = None,
+        session_cache_bytes: int | None = None,
     ) -> None:
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM refuses it otherwise)")
@@ -63,9 +74,23 @@ class RenderSidecar(VllmServer):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
         self.renderer_num_workers = renderer_num_workers
+        available = session_cache_available(python)
+        if session_cache and not available:
+            raise ValueError("the parser-session cache needs this venv's interpreter and vLLM "
+                             f"{SESSION_CACHE_LINE[0]}.{SESSION_CACHE_LINE[1]}")
+        self.session_cache = available if session_cache is None else session_cache
+        self.session_cache_entries = session_cache_entries
+        self.session_cache_bytes = session_cache_bytes
 
     def build_argv(self) -> list[str]:
         argv = render_base_argv(self.model_dir, self.host, self.port, self.python)
+        if self.session_cache:
+            index = argv.index("--model")
+            argv = [vllm_python(self.python), "-m", SESSION_MODULE, *argv[index:]]
+            if self.session_cache_entries is not None:
+                argv += ["--session-cache-entries", str(self.session_cache_entries)]
+            if self.session_cache_bytes is not None:
+                argv += ["--session-cache-bytes", str(self.session_cache_bytes)]
         argv += [
             "--served-model-name", self.served_model_name,
             "--max-model-len", str(self.max_model_len),
@@ -79,3 +104,9 @@ class RenderSidecar(VllmServer):
         if self.reasoning_parser:
             argv += ["--reasoning-parser", self.reasoning_parser]
         return argv + list(self.extra_args)
+
+
+def session_cache_available(python: str | None = None) -> bool:
+    """Our entry point runs where this package is importable (this venv) on the line it was built for."""
+    exe = vllm_python(python)
+    return exe == sys.executable and vllm_line(exe) == SESSION_CACHE_LINE

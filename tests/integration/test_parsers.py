@@ -82,7 +82,8 @@ class ParserStack:
             sim = SimulatedEngine(SimConfig(mode="script", script_tokens=ids, max_model_len=MAX_MODEL_LEN,
                                             stream_interval=stream_interval))
             self._stack.enter_context(sim)
-            settings = make_settings(self.render_url, [sim.url], render={"url": self.render_url, "parsers": True})
+            # Nothing about parsers in the config: the coordinator learns them from the sidecar.
+            settings = make_settings(self.render_url, [sim.url], render={"url": self.render_url})
             coord = self._stack.enter_context(CoordinatorServer(settings))
             self._coords[key] = (coord, [*ids, EOS])
         return self._coords[key]
@@ -276,3 +277,20 @@ def test_parser_streams_do_not_depend_on_engine_chunk_size(parsers: ParserStack,
         results.append((parts["reasoning"], parts["content"], parts["finish_reason"], args))
     assert results[0] == results[1]
     assert results[0][0] in (THOUGHT, TOOL_THOUGHT) and (results[0][1] or results[0][3])
+
+
+async def test_a_pool_of_sidecars_that_disagree_refuses_to_start(parsers: ParserStack, render_sidecar: Any) -> None:
+    """One sidecar runs hermes and olmo3, the other no parser: they cannot derender the same streams."""
+    from coordinator.app import build_components
+    from coordinator.pipeline.derender.features import SidecarsDisagree
+
+    settings = make_settings(parsers.render_url, [], render={"urls": [parsers.render_url, str(render_sidecar.url)]})
+    components = build_components(settings)
+    try:
+        with pytest.raises(SidecarsDisagree) as exc:
+            await components.start()
+    finally:
+        await components.aclose()
+    message = str(exc.value)
+    assert parsers.render_url in message and str(render_sidecar.url) in message
+    assert "hermes" in message and "no parsers" in message

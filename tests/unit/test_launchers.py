@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from render_sidecar.launch import RenderSidecar
+from render_sidecar.launch import SESSION_MODULE, RenderSidecar
 from token_engine.launch import VllmEngine
 from token_engine.vllm_env import ENGINE_MODULE, RENDER_MODULE, is_cpu_build, vllm_env
 
@@ -56,7 +56,7 @@ def test_engine_rejects_unknown_mode(tmp_path: Path) -> None:
 def test_render_argv_keeps_max_model_len_and_parsers(tmp_path: Path) -> None:
     argv = RenderSidecar(tmp_path, max_model_len=1024, tool_call_parser="hermes",
                          enable_auto_tool_choice=True, reasoning_parser="deepseek_r1", cpu=True).build_argv()
-    assert argv[:3] == [sys.executable, "-m", RENDER_MODULE]
+    assert argv[:3] == [sys.executable, "-m", SESSION_MODULE]  # this venv: our server with the cache
     assert _flag(argv, "--model") == str(tmp_path)
     assert _flag(argv, "--max-model-len") == "1024"
     assert _flag(argv, "--served-model-name") == "smollm2-135m-instruct"
@@ -64,6 +64,18 @@ def test_render_argv_keeps_max_model_len_and_parsers(tmp_path: Path) -> None:
     assert _flag(argv, "--reasoning-parser") == "deepseek_r1"
     assert "--renderer-num-workers" in argv and "--disable-uvicorn-access-log" in argv
     assert "--dtype" not in argv  # render loads no weights
+
+
+def test_render_without_session_cache_is_vllms_own_entry(tmp_path: Path) -> None:
+    argv = RenderSidecar(tmp_path, cpu=True, session_cache=False).build_argv()
+    assert argv[:3] == [sys.executable, "-m", RENDER_MODULE]
+    cached = RenderSidecar(tmp_path, cpu=True, session_cache_entries=7, session_cache_bytes=4096).build_argv()
+    assert _flag(cached, "--session-cache-entries") == "7" and _flag(cached, "--session-cache-bytes") == "4096"
+
+
+def test_render_session_cache_refused_on_another_interpreter(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="session cache"):
+        RenderSidecar(tmp_path, cpu=True, python="/other/bin/python", session_cache=True)
 
 
 def test_render_refuses_auto_tool_choice_without_parser(tmp_path: Path) -> None:

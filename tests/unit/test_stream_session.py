@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.client import StreamMode
 from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.errors import UpstreamUnavailable
@@ -63,8 +64,11 @@ class FakeDerender:
         self.fail_on_token = fail_on_token
         self.states_seen: list[Any] = []
 
+    async def mode(self) -> StreamMode:
+        return StreamMode(parsers=False, coalesce=True)
+
     async def stream_chunk(self, ctx: RequestContext, p: PromptPlan, chunk: dict[str, Any],
-                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                           state: dict[str, Any] | None, **_: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         self.states_seen.append(state)
         ch = chunk["choices"][0]
         if ch["token_ids"] == [self.fail_on_token]:
@@ -79,7 +83,7 @@ class SlowDerender(FakeDerender):
     """Each call takes a moment, during which the engine's chunks pile up."""
 
     async def stream_chunk(self, ctx: RequestContext, p: PromptPlan, chunk: dict[str, Any],
-                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                           state: dict[str, Any] | None, **_: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         await asyncio.sleep(0.005)
         return await super().stream_chunk(ctx, p, chunk, state)
 

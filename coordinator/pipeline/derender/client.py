@@ -6,18 +6,43 @@ so nothing above may retry the engine work or blame an engine for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from coordinator.observability import tracing
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.errors import DerenderUnavailable
-from coordinator.pipeline.sidecar import SidecarClient, encode
+from coordinator.pipeline.derender.features import FeatureBook
+from coordinator.pipeline.errors import DerenderRejected, DerenderUnavailable
+from coordinator.pipeline.sidecar import Affinity, SidecarClient, encode
 
 # Plain (parser-free) streaming derender only needs a prompt *suffix* to seed detokenisation
 # (leading-space handling), so the per-token path does not ship the whole prompt each time.
 _SEED_SUFFIX = 8
+SESSION_MISS_TYPE = "stream_session_miss"  # our sidecar's 409: resend with the full prompt ids
+
+
+class _StreamAnswer(msgspec.Struct):
+    """A streaming derender reply. The state stays raw JSON: the coordinator never reads it, only
+    sends it back, so it is neither decoded into Python objects nor encoded again (with a parser it
+    holds every output token id: tens of KB late in a long answer), and its bytes come back to the
+    sidecar exactly as the sidecar wrote them, which is what its session cache compares first."""
+
+    chunk: dict[str, Any]
+    stream_state: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_decode_answer = msgspec.json.Decoder(_StreamAnswer).decode
+
+
+@dataclass(frozen=True)
+class StreamMode:
+    """How a prompt stream talks to derender: whether parsers build its deltas, and whether its
+    engine chunks may be merged into one call without changing what the client gets."""
+
+    parsers: bool
+    coalesce: bool
 
 
 def request_view(ctx: RequestContext) -> dict[str, Any]:
@@ -41,23 +66,51 @@ def _encoded(ctx: RequestContext, key: str, value: Any) -> msgspec.Raw:
 
 
 class Derenderer:
-    def __init__(self, sidecar: SidecarClient, *, parsers: bool) -> None:
+    def __init__(self, sidecar: SidecarClient, *, parsers: bool | None = None,
+                 coalesce_with_parsers: bool | None = None) -> None:
+        """``parsers``: None learns from the sidecars whether they run parsers (docs/parsers.md);
+        ``coalesce_with_parsers``: None merges calls only for parsers measured to be exact."""
         self._sidecar = sidecar
-        # With a tool or reasoning parser the sidecar needs the full prompt on every chunk.
-        self._parsers = parsers
+        self.features = FeatureBook(sidecar, override=parsers)
+        self._coalesce_with_parsers = coalesce_with_parsers
 
-    @property
-    def parsers(self) -> bool:
-        """A tool or reasoning parser is configured (chunks then carry what the parser built)."""
-        return self._parsers
+    async def mode(self) -> StreamMode:
+        """The stream mode for a new prompt stream (asks the sidecars first if they need it)."""
+        features = await self.features.ensure()
+        coalesce = features.coalesce_exact if self._coalesce_with_parsers is None else (
+            self._coalesce_with_parsers or not features.parsers)
+        return StreamMode(parsers=features.parsers, coalesce=coalesce)
 
     async def stream_chunk(self, ctx: RequestContext, plan: PromptPlan, chunk: dict[str, Any],
-                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Derender one engine chunk; returns the OpenAI chunk and the next ``stream_state``."""
-        if self._parsers:  # the whole prompt on every call: encoded once per prompt
-            seed: Any = _encoded(ctx, f"prompt:{plan.index}", plan.prompt_token_ids)
+                           state: Any, *, route: Affinity | None = None) -> tuple[dict[str, Any], Any]:
+        """Derender one engine chunk; returns the OpenAI chunk and the next ``stream_state`` (raw
+        JSON, ``msgspec.Raw``; None before the first call).
+
+        ``route`` keeps a stream's calls on one sidecar. With parsers, vLLM needs the whole prompt on
+        every call; a sidecar with the parser-session cache only needs it to start or replay a stream,
+        so once the stream has a sidecar the ids stay home, and a 409 ``stream_session_miss`` (the
+        sidecar restarted, evicted the session, or is another one) sends the call again with them."""
+        features = self.features.pool
+        if features.parsers:
+            lean = features.session_cache and state is not None and route is not None and (
+                route.sidecar is not None)
+            if lean:
+                try:
+                    return await self._call(ctx, plan, chunk, state, None, route)
+                except DerenderRejected as exc:
+                    if not _session_miss(exc):
+                        raise
+            seed: Any = _encoded(ctx, f"prompt:{plan.index}", plan.prompt_token_ids)  # encoded once
         else:
             seed = plan.prompt_token_ids[-_SEED_SUFFIX:] if state is None else None
+        return await self._call(ctx, plan, chunk, state, seed, route)
+
+    async def _call(self, ctx: RequestContext, plan: PromptPlan, chunk: dict[str, Any],
+                    state: Any, seed: Any, route: Affinity | None) -> tuple[dict[str, Any], Any]:
+        # The chunk's request_id is the engine attempt's; a relay or retry changes it. Derender only
+        # copies it into the chunk's id (which the coordinator rewrites), and our sidecar keys a
+        # stream's parser session on it, so a stream keeps one id across attempts.
+        chunk = {**chunk, "request_id": f"{ctx.request_id}-{plan.index}"}
         body: dict[str, Any] = {"stream": True, "model": ctx.model, "generate_chunk": chunk,
                                 "stream_state": state, "prompt_tokens": plan.prompt_tokens,
                                 "prompt_token_ids": seed}
@@ -68,10 +121,10 @@ class Derenderer:
         else:
             body["completion_request"] = options
             path = "/v1/completions/derender"
-        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="derender")
-        if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
-            raise DerenderUnavailable("derender returned an unexpected body")
-        return out["chunk"], out.get("stream_state")
+        out: _StreamAnswer = await self._sidecar.post(path, body, request_id=ctx.request_id,
+                                                      stage="derender", affinity=route, decode=_decode_answer)
+        state_json = out.stream_state
+        return out.chunk, None if bytes(state_json) == b"null" else state_json
 
     async def batch(self, ctx: RequestContext, responses: list[dict[str, Any]]) -> dict[str, Any]:
         """Derender complete generate responses (one per prompt) into one OpenAI response."""
@@ -94,3 +147,7 @@ class Derenderer:
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderUnavailable("derender returned an unexpected body")
         return out
+
+
+def _session_miss(exc: DerenderRejected) -> bool:
+    return exc.status == 409 and exc.type == SESSION_MISS_TYPE

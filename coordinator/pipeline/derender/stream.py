@@ -16,12 +16,16 @@ change is *where* a stop string ends generation, so a merged call that hits a st
 discarded and replayed one token per call from the committed state: usage and text are then exactly
 those of one call per token.
 
-**Parsers.** vLLM 0.32's text-matching parsers are not chunking-invariant: with the ``olmo3``
-reasoning parser, content that arrives in the same delta as ``</think>`` is dropped (measured: the
-same tokens in deltas of 1 and 3 give the full answer, deltas of 7 lose its first word, one delta of
-64 loses all of it; native ``vllm serve`` has the same loss with ``--stream-interval`` > 1). So when
-the sidecar runs parsers, every call carries one token (engine chunks of several tokens are split
-too) unless ``stream.coalesce_with_parsers`` says the configured parsers are safe.
+**Parsers.** Not every vLLM 0.32 parser is chunking-invariant: with the ``olmo3`` reasoning parser,
+content that arrives in the same delta as ``</think>`` is dropped (the same tokens in deltas of 1 and
+3 give the full answer, deltas of 7 lose its first word, one delta of 64 loses all of it; native
+``vllm serve`` has the same loss with ``--stream-interval`` > 1). So the derenderer's ``mode()`` says
+per stream whether calls may be merged: for parsers measured to be exact (docs/parsers.md) they are,
+for the others every call carries one token (engine chunks of several tokens are split too).
+
+**Sidecar affinity.** Each choice keeps its calls on the sidecar that served its last call
+(``ChoiceState.route``), where the parser session of the stream lives; when that sidecar fails the
+pool retries on another, which replays the stream from ``stream_state``.
 
 **Back-pressure.** The buffers hold at most ``buffer_tokens`` engine tokens per prompt stream; when
 they are full the reader stops reading, so a client that reads slowly holds the engine's socket
@@ -51,6 +55,7 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import role_chunk, shape_stream_chunk
 from coordinator.pipeline.derender.stop import StopMatcher
 from coordinator.pipeline.errors import PipelineError, first_leaf
+from coordinator.pipeline.sidecar import Affinity
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 log = logging.getLogger(__name__)
@@ -63,13 +68,12 @@ class Coalescing:
     enabled: bool = True
     max_tokens_per_call: int = 32
     buffer_tokens: int = 2048
-    with_parsers: bool = False  # see ``PromptStream``: parsers are derendered one token per call
 
 
 @dataclass
 class ChoiceState:
     matcher: StopMatcher
-    stream_state: dict[str, Any] | None = None
+    stream_state: Any = None             # the sidecar's state as raw JSON (msgspec.Raw), passed back as is
     tokens: int = 0                       # output tokens that count for usage
     done: bool = False
     stopped_early: bool = False           # ended by a stop string while the engine was still generating
@@ -78,6 +82,7 @@ class ChoiceState:
     # Only kept when the caller needs the tokens afterwards (non-streaming requests with stop strings).
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    route: Affinity = field(default_factory=Affinity)  # the sidecar holding this stream's session
 
 
 class PromptStream:
@@ -90,9 +95,9 @@ class PromptStream:
         self._derenderer = derenderer
         self._collect = collect
         self._coalescing = coalescing or Coalescing()
-        # Chunk keys depend on whether a parser built the delta; a stand-in derenderer has none.
-        self._parsers = bool(getattr(derenderer, "parsers", False))
-        self._token_by_token = self._parsers and not self._coalescing.with_parsers
+        # Chunk keys depend on whether a parser built the delta; both are known once ``run`` starts.
+        self._parsers = False
+        self._token_by_token = False
         self.choices = {i: ChoiceState(StopMatcher(plan.stop)) for i in range(plan.n)}
         self.derender_calls = 0
         self._buffers: ChoiceBuffers | None = None
@@ -118,6 +123,8 @@ class PromptStream:
         Returning early (every choice done, one of them by a stop string) lets the caller close the
         engine stream, which aborts what the engine still generates. Traced as one ``derender`` span
         for the whole stream (its calls counted), never one per call: at low load a call is a token."""
+        mode = await self._derenderer.mode()
+        self._parsers, self._token_by_token = mode.parsers, not mode.coalesce
         with tracing.stage("derender", self.ctx.record, kind="client",
                            attributes={"coordinator.prompt.index": self.plan.index}) as span:
             try:
@@ -218,7 +225,8 @@ class PromptStream:
             chunk = {**chunk, "choices": [without_stop_token(choice)]}
         self.derender_calls += 1
         try:
-            out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state)
+            out, next_state = await self._derenderer.stream_chunk(self.ctx, self.plan, chunk, st.stream_state,
+                                                                  route=st.route)
         except PipelineError as exc:  # a response-stage failure: never retried on an engine
             event(log, "derender_error", self.ctx.request_id, level=logging.WARNING, prompt=self.plan.index,
                   choice=int(choice.get("index", 0)), attempt=self.plan.attempt, error=type(exc).__name__,
