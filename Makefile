@@ -55,7 +55,7 @@ run: venv model
 # Unit, simulator-integration, real-vLLM end-to-end and third-party client tests (the real vLLM
 # processes boot once per session). pytest's exit code 5 ("no tests ran") is a failure.
 test: venv compat-venv model lint
-	@$(PY) -m pytest -q -ra -p no:cacheprovider; rc=$$?; \
+	@$(PY) -m pytest -q -ra -p no:cacheprovider --durations=25; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The third-party client and OpenAI-spec suite alone (also part of `make test`).
@@ -69,11 +69,12 @@ lint: venv
 
 # Every benchmark in perf/ (each writes perf/out/<name>/), then docs/benchmarks.md and docs/img/ from
 # their reports. Run it on a quiet machine: the figures are ratios, but a busy machine still skews them.
-BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost ab_native \
-              profile_mapper nnrp_latency nnrp_long_context
+BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost parser_chunking \
+              ab_native profile_mapper nnrp_latency nnrp_long_context
 
 bench: venv model
 	@set -e; for b in $(BENCHMARKS); do echo "== perf.$$b"; $(PY) -m perf.$$b; done
+	@echo "== perf.capacity --parser hermes"; $(PY) -m perf.capacity --parser hermes --tokens 1024
 	$(PY) -m perf.docs
 
 # Mid-stream relay proven on real vLLM engines: 20 greedy streams, the serving engine SIGKILLed at a

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from coordinator.api.admin import build_admin_router
 from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.metaserver import Metaserver
 from coordinator.api.nnrp.routes import build_nnrp_router
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.routes import build_router
@@ -40,7 +41,9 @@ from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.dispatcher import Dispatcher
+from coordinator.pipeline.topology.trigger import TriggerBoard
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -63,18 +66,32 @@ class Components:
     pipeline: Pipeline
     metrics: Metrics
     native: NativeRoute | None = None  # engines' OpenAI API: render fallback, missing token route
+    derenderer: Derenderer | None = None
+    trigger: TriggerBoard | None = None  # trigger P/D engines: the callbacks their metaserver serves
+    metaserver: Metaserver | None = None
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+
+    def derender_parsers(self) -> bool:
+        """The sidecars run parsers (as learned from them, or as the config says)."""
+        current = self.derenderer.features.current if self.derenderer is not None else None
+        return current.parsers if current is not None else bool(self.settings.render.parsers)
 
     async def start(self) -> None:
         """Start the background work (KV-event feeds, health probes, learning the model's limits).
 
         Plain methods rather than a FastAPI lifespan, so any front door or an embedding application
         can run the pipeline."""
+        if self.metaserver is not None:
+            await self.metaserver.start()
         if self.precise is not None:
             for e in self.registry.engines:
                 if e.kv_events:
                     await self.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
         await self.registry.start()
+        if self.derenderer is not None:
+            # Sidecars that answer now must agree on their parsers (SidecarsDisagree stops the start);
+            # the others are asked when they first serve a stream (docs/parsers.md).
+            await self.derenderer.features.learn(strict=True)
         self._sync = asyncio.create_task(_sync_catalog(self))
 
     async def aclose(self) -> None:
@@ -85,6 +102,8 @@ class Components:
             await self.precise.stop_all()
         await self.admission.close()
         await self.registry.stop()
+        if self.metaserver is not None:
+            await self.metaserver.stop()
         await self.engines.aclose()
         if self.native is not None:
             await self.native.client.aclose()
@@ -148,27 +167,34 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
 
     registry.add_listener(on_engine)
     catalog = ModelCatalog(settings.models, sidecar)
-    native = NativeRoute(NativeClient(settings.engine_client), registry, scheduler, admission,
-                         settings.resilience, metrics, obfuscated=lambda: settings.obfuscation.enabled)
+    attempts = Attempts(registry, scheduler, admission, settings.resilience, metrics)
+    native = NativeRoute(NativeClient(settings.engine_client), registry, attempts,
+                         obfuscated=lambda: settings.obfuscation.enabled)
+    board = TriggerBoard(lambda status: metrics.trigger_callbacks.labels(str(status)).inc()) \
+        if settings.uses_trigger() else None
     local = LocalTokenizers({m.name: m.tokenizer_path or m.path for m in settings.models})
+    derenderer = Derenderer(sidecar, parsers=settings.render.parsers,
+                            coalesce_with_parsers=settings.stream.coalesce_with_parsers)
     pipeline = Pipeline(
         catalog=catalog,
         render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
+                           context_budget=settings.limits.context_budget_mode,
+                           engine_lengths=registry.max_model_lens,
                            native_route=native),
-        dispatcher=Dispatcher(engines, registry, scheduler, admission, settings.resilience,
-                              settings.topology, metrics),
-        derenderer=Derenderer(sidecar, parsers=settings.render.parsers),
+        dispatcher=Dispatcher(engines, attempts, settings.topology, board),
+        derenderer=derenderer,
         strict=settings.server.request_mode == "strict",
         queue_chunks=settings.stream.queue_chunks,
         coalescing=Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
-                              settings.stream.buffer_tokens, settings.stream.coalesce_with_parsers),
+                              settings.stream.buffer_tokens),
         early_refusal=admission.check_early,
         observer=observer,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
-                      pipeline, metrics, native=native)
+                      pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
+                      metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -202,9 +228,11 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
     if settings.nnrp.enabled:
-        app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain))
+        app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
+                                             parsers=c.derender_parsers))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
-                            lambda: c.registry.engines, c.native.client if c.native is not None else None)
+                            lambda: c.registry.engines, c.native.client if c.native is not None else None,
+                            trigger=c.trigger)
     accounting.export(c.metrics)
     app.state.accounting = accounting
     app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot))

@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 EngineRole = Literal["union", "prefill", "decode"]
+PdProtocol = Literal["handoff", "trigger"]
 
 
 class _Section(BaseModel):
@@ -88,6 +89,11 @@ class LimitsSettings(_Section):
         default=128, ge=8, le=512, description="longest X-Request-Id adopted from a client (charset "
         "A-Za-z0-9._:-); others are replaced by the coordinator's own id"
     )
+    context_budget_mode: Literal["off", "on"] = Field(
+        default="off", description="off: a max_tokens (or max_completion_tokens) that does not fit the "
+        "context is a 400 (OpenAI's rule); on: it is clamped to what fits (docs/openai-api.md, "
+        "\"Context budget\")",
+    )
 
 
 class RenderSettings(_Section):
@@ -103,11 +109,19 @@ class RenderSettings(_Section):
     skip_s: float = Field(
         default=2.0, gt=0, description="a sidecar that refused a connection gets no calls for this long"
     )
+    circuit_failures: int = Field(
+        default=3, ge=1, description="render calls failing in a row (timeout, 5xx, no answer from any "
+        "sidecar) that open the render circuit: requests then skip render and take the render fallback",
+    )
+    circuit_cooldown_s: float = Field(
+        default=5.0, gt=0,
+        description="how long the render circuit stays open before one request probes render",
+    )
     workers: int = Field(default=4, ge=1, description="--renderer-num-workers for the sidecar (deploy only)")
-    parsers: bool = Field(
-        default=False,
-        description="the sidecar runs a tool-call or reasoning parser (derender then needs the full prompt "
-        "ids on every streamed chunk)",
+    parsers: bool | None = Field(
+        default=None,
+        description="whether the sidecars run a tool-call or reasoning parser; null = ask them at start-up "
+        "and when one comes back (GET /derender/capabilities, else a probe call; docs/parsers.md)",
     )
 
     @field_validator("url", "urls")
@@ -134,6 +148,12 @@ class EngineSettings(_Section):
         default="union", description="union: prefills and decodes; prefill / decode: one leg of a P/D handoff"
     )
     model: str | None = Field(default=None, description="served model name; null = any configured model")
+    pd_protocol: PdProtocol = Field(
+        default="handoff", description="how a prefill/decode engine's KV connector pairs up: handoff "
+        "(NixlConnector: prefill first, its kv_transfer_params go to the decode leg) or trigger "
+        "(vLLM-Ascend's MooncakeLayerwiseConnector: decode first, it calls the coordinator's metaserver; "
+        "docs/scheduling.md). One model's P/D engines must all use one protocol",
+    )
     weight: float = Field(
         default=1.0, gt=0, description="multiplies admission.engine_tokens into this engine's budget"
     )
@@ -150,6 +170,11 @@ class EngineSettings(_Section):
         "missed batches are fetched from it",
     )
     drain: bool = Field(default=False, description="take no new requests; in-flight ones finish")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="the engine's --max-model-len where it is shorter than the "
+        "model's (e.g. prefill and decode engines sized apart): requests are held to the shortest of "
+        "the engines that may run them; null = the model's (render's /v1/models)",
+    )
     native_api: bool = Field(
         default=False, description="the engine also serves the OpenAI API (`vllm serve "
         "--enable-scale-out`): it may take requests through /v1/chat/completions and /v1/completions "
@@ -170,6 +195,9 @@ class DiscoverySettings(_Section):
     role: EngineRole = Field(default="union", description="role of every engine found under this name")
     model: str | None = Field(
         default=None, description="served model name of these engines; null = any configured model"
+    )
+    pd_protocol: PdProtocol = Field(
+        default="handoff", description="P/D protocol of these engines (see engines[].pd_protocol)"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
@@ -290,15 +318,46 @@ class SchedulingSettings(_Section):
     prefix: PrefixIndexSettings = Field(default_factory=PrefixIndexSettings)
 
 
+class TriggerSettings(_Section):
+    """The metaserver that trigger-mode decode engines call back (docs/scheduling.md, Trigger). It runs
+    on its own port, started only when a trigger engine is configured; engines must reach it."""
+
+    host: str = Field(default="127.0.0.1", description="address the metaserver binds (0.0.0.0 in a pod)")
+    port: int = Field(default=8091, ge=0, le=65535, description="its port (0: any free port)")
+    advertise_host: str | None = Field(
+        default=None, description="the address engines call, e.g. the pod IP "
+        "(COORD_TOPOLOGY__TRIGGER__ADVERTISE_HOST from status.podIP); null = host, which then must not "
+        "be a wildcard",
+    )
+    callback_timeout_s: float = Field(
+        default=120.0, gt=0, description="a decode engine that has not called back this long after the "
+        "request was sent fails the attempt (it is retried on another engine); it calls once it "
+        "allocates the request's blocks, so leave room for the time a request may queue there",
+    )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> TriggerSettings:
+        if self.advertise_host is None and self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("topology.trigger.host is a wildcard: set topology.trigger.advertise_host "
+                             "to an address the engines can reach (the pod IP)")
+        return self
+
+
 class TopologySettings(_Section):
-    """Union (one engine per request) or Handoff (prefill engine → decode engine)."""
+    """Union (one engine per request) or P/D (prefill and decode engines: handoff or trigger)."""
 
     mode: Literal["auto", "union", "handoff"] = Field(
-        default="auto", description="auto: handoff when prefill and decode engines are configured"
+        default="auto", description="auto: P/D when prefill and decode engines are configured; handoff "
+        "forces P/D (its protocol, handoff or trigger, is the engines' pd_protocol)"
     )
     pd_min_uncached_tokens: int = Field(
         default=256, ge=0, description="prefill remotely only when this many prompt tokens are not "
         "already cached on the chosen decode engine",
+    )
+    hybrid_fallback: bool = Field(
+        default=True, description="when no P/D pair can take a request (a role has no healthy engine "
+        "whose breaker allows it), run it on a union engine, else alone on a prefill engine, else on "
+        "a decode engine that prefills locally (docs/scheduling.md)",
     )
     prefill_kv_transfer_params: dict[str, Any] = Field(
         default_factory=lambda: {"do_remote_decode": True, "do_remote_prefill": False,
@@ -306,6 +365,7 @@ class TopologySettings(_Section):
                                  "remote_host": None, "remote_port": None},
         description="sent on the prefill leg (NixlConnector convention)",
     )
+    trigger: TriggerSettings = Field(default_factory=TriggerSettings)
 
 
 class ResilienceSettings(_Section):
@@ -386,9 +446,9 @@ class StreamSettings(_Section):
         default=2048, ge=1, description="engine tokens buffered per stream before the coordinator stops "
         "reading from the engine (back-pressure from a slow client reaches the engine's socket)",
     )
-    coalesce_with_parsers: bool = Field(
-        default=False, description="merge calls also when the sidecar runs tool/reasoning parsers; only "
-        "for chunking-invariant parsers (vLLM 0.32's olmo3 is not: with it every call carries one token)",
+    coalesce_with_parsers: bool | None = Field(
+        default=None, description="merge calls also when the sidecar runs tool/reasoning parsers; null = "
+        "only for parsers measured to be chunking-invariant (docs/parsers.md: hermes is, olmo3 is not)",
     )
 
 
@@ -492,6 +552,35 @@ class Settings(BaseSettings):
             if e.model is not None and e.model not in names:
                 raise ValueError(f"engine {e.url} serves {e.model!r}, which is not in models")
         return self
+
+    @model_validator(mode="after")
+    def _one_pd_protocol(self) -> Settings:
+        mixed = self.mixed_pd_protocols(self.engines)
+        if mixed is not None:
+            raise ValueError(mixed)
+        return self
+
+    def mixed_pd_protocols(self, engines: list[EngineSettings]) -> str | None:
+        """Why ``engines`` (with the discovery entries) cannot serve, or None. A handoff decode engine
+        waits for kv_transfer_params that a trigger pair never sends, and a trigger decode engine
+        waits for a prefill only its callback starts: one model's P/D engines must speak one protocol."""
+        sources: list[tuple[str, str | None, str, str]] = [
+            (e.url, e.model, e.role, e.pd_protocol) for e in engines]
+        sources += [(f"discovery {d.dns_name}", d.model, d.role, d.pd_protocol)
+                    for d in self.discovery if d.dns_name is not None]
+        for model in self.models:
+            pd = [(name, proto) for name, m, role, proto in sources
+                  if role != "union" and (m is None or m == model.name)]
+            if len({proto for _, proto in pd}) > 1:
+                listed = ", ".join(f"{name} ({proto})" for name, proto in pd)
+                return (f"model {model.name!r} mixes handoff and trigger P/D engines, which cannot pair "
+                        f"up: {listed}; give them all one engines[].pd_protocol")
+        return None
+
+    def uses_trigger(self) -> bool:
+        """Whether any engine is a trigger P/D engine (the metaserver is started for them)."""
+        return any(e.role != "union" and e.pd_protocol == "trigger" for e in self.engines) or any(
+            d.role != "union" and d.pd_protocol == "trigger" for d in self.discovery if d.dns_name)
 
     @classmethod
     def settings_customise_sources(

@@ -7,6 +7,7 @@ The render sidecar and both engines are started together the first time a test n
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,26 @@ def _echo() -> bool:
     return bool(os.environ.get("LLMC_TEST_ECHO"))
 
 
+def _ready(server: Any, timeout: float = 600) -> None:
+    """Wait for a started vLLM server; one that dies while booting is started once more.
+
+    Why a second try: these tests are about the coordinator, and a CPU vLLM boot can fail for reasons
+    outside it (a port taken between picking and binding, memory briefly short while three engines
+    load at once). The first failure, root cause included, is printed so it is never hidden; a second
+    failure fails the session.
+    """
+    from token_engine.process import ProcessExitedError
+
+    try:
+        server.wait_ready(timeout=timeout)
+    except ProcessExitedError as first:
+        print(f"\n{server.name} died while booting; starting it once more. First failure:\n{first}\n",
+              file=sys.stderr, flush=True)
+        server.stop()
+        server.start()
+        server.wait_ready(timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def render_sidecar(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
     """The real render sidecar, shared by every test that needs render/derender."""
@@ -59,7 +80,7 @@ def render_sidecar(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
                            log_path=logs_dir / "render.log", echo=_echo())
     try:
         render.start()
-        render.wait_ready(timeout=600)
+        _ready(render)
         yield render
     finally:
         render.stop()
@@ -95,7 +116,7 @@ def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) 
             e.start()
         render = request.getfixturevalue("render_sidecar")
         for e in engines:
-            e.wait_ready(timeout=600)
+            _ready(e)
         yield VllmStack(render, engine, native, engine2,
                         {engine.url: f"tcp://127.0.0.1:{events[0]}", engine2.url: f"tcp://127.0.0.1:{events[1]}"})
     finally:

@@ -40,6 +40,8 @@ __all__ = [
 
 DEFAULT_MAX_LINES = 5000
 TAIL_LINES = 40
+ROOT_CAUSE_LINES = 30
+_ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|Error:|Exception:")
 
 _echo_lock = threading.Lock()  # keeps prefixed lines of concurrent children from interleaving
 _live: set[ManagedProcess] = set()  # strong refs: a forgotten, unstopped child is still reaped at exit
@@ -311,6 +313,23 @@ class ManagedProcess:
         with self._cond:
             return "\n".join(text for _, text in list(self._lines)[-n:])
 
+    def failure_excerpt(self, n: int = TAIL_LINES) -> str:
+        """The log's first error block and its last ``n`` lines.
+
+        Why not the tail alone: when vLLM's EngineCore dies, its own exception (the root cause) is
+        printed first and the API server's ~40-line "Engine core initialization failed" traceback
+        after it, so a tail shows only the consequence.
+        """
+        with self._cond:
+            lines = [text for _, text in self._lines]
+        tail_from = max(0, len(lines) - n)
+        first = next((i for i, text in enumerate(lines[:tail_from]) if _ERROR_LINE.search(text)), None)
+        if first is None:
+            return "\n".join(lines[tail_from:])
+        block = lines[first : min(first + ROOT_CAUSE_LINES, tail_from)]
+        return "\n".join([f"first error at line {first + 1}:", *block, "...", f"last {n} lines:",
+                          *lines[tail_from:]])
+
     def wait_for_line(self, pattern: str | re.Pattern[str], timeout: float, since: int = 0) -> str | None:
         """First line (index >= ``since``) matching ``pattern`` (``re.search``), or None on timeout.
 
@@ -337,8 +356,8 @@ class ManagedProcess:
             self._pump.join(timeout=2.0)  # make sure the last words are in the buffer
         rc = self.returncode
         return ProcessExitedError(
-            f"{self.name} (pid {self.pid}) exited with code {rc} {what}; last {TAIL_LINES} log lines:\n"
-            f"{self.tail(TAIL_LINES)}",
+            f"{self.name} (pid {self.pid}) exited with code {rc} {what}; {_memory_note()}\n"
+            f"{self.failure_excerpt(TAIL_LINES)}",
             rc,
         )
 
@@ -375,7 +394,7 @@ class ManagedProcess:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"{self.name} (pid {self.pid}) not ready at {url} after {timeout:.0f}s; "
-                        f"last {TAIL_LINES} log lines:\n{self.tail(TAIL_LINES)}"
+                        f"{_memory_note()}\n{self.failure_excerpt(TAIL_LINES)}"
                     )
                 time.sleep(interval)
 
@@ -415,10 +434,21 @@ def wait_http_ready_all(
                 raise InterruptedError("waiting for readiness was cancelled")
             if time.monotonic() >= deadline:
                 names = ", ".join(p.name for p, _ in pending)
-                tails = "\n".join(f"--- {p.name}:\n{p.tail(TAIL_LINES)}" for p, _ in pending)
+                tails = "\n".join(f"--- {p.name}:\n{p.failure_excerpt(TAIL_LINES)}" for p, _ in pending)
                 raise TimeoutError(f"not ready after {timeout:.0f}s: {names}\n{tails}")
             time.sleep(interval)
     return ready
+
+
+def _memory_note() -> str:
+    """The machine's available memory: an engine that dies at start-up mostly lacked it."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        info = dict(line.split(":", 1) for line in lines if ":" in line)
+        avail, total = (int(info[k].split()[0]) / 2**20 for k in ("MemAvailable", "MemTotal"))
+    except (OSError, KeyError, ValueError):
+        return "memory unknown"
+    return f"memory available {avail:.1f} of {total:.1f} GiB"
 
 
 @atexit.register

@@ -93,6 +93,13 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
                 items = _ENGINE_LIST.validate_json(await request.body())
             except ValidationError as exc:
                 raise BadRequest(f"Invalid engine list: {exc.errors()[0]['msg']}", param="engines") from None
+            mixed = registry.settings.mixed_pd_protocols(items)
+            if mixed is None and not registry.settings.uses_trigger() and any(
+                    e.role != "union" and e.pd_protocol == "trigger" for e in items):
+                mixed = ("trigger P/D engines need the metaserver, which starts only when trigger engines "
+                         "are configured at start-up")
+            if mixed is not None:
+                raise BadRequest(mixed, param="engines")
             registry.update(items)
         except PipelineError as exc:
             return error_response(exc)

@@ -51,6 +51,11 @@ class _Sidecar(Protocol):
     def outstanding(self) -> int: ...
 
 
+class _Trigger(Protocol):
+    @property
+    def open_calls(self) -> int: ...
+
+
 class _Engine(Protocol):
     @property
     def url(self) -> str: ...
@@ -71,6 +76,7 @@ class Accounting:
     sidecars: Callable[[], Iterable[_Sidecar]]
     engines: Callable[[], Iterable[_Engine]]
     native_client: _NativeClient | None = None
+    trigger: _Trigger | None = None
 
     def counts(self) -> dict[str, int]:
         """Scalar counts; each is 0 when the coordinator holds nothing."""
@@ -84,6 +90,7 @@ class Accounting:
             "open_native_streams": self.native_client.open_streams if self.native_client else 0,
             "pending_engine_aborts": self.engine_client.pending_aborts,
             "sidecar_calls": sum(s.outstanding for s in self.sidecars()),
+            "trigger_callbacks": self.trigger.open_calls if self.trigger is not None else 0,
         }
 
     def snapshot(self) -> dict[str, Any]:

@@ -85,6 +85,9 @@ class Metrics:
             lambda: self._hit_tokens / self._query_tokens if self._query_tokens else 0.0)
         self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
                                 ["path"], registry=r)
+        self.trigger_callbacks = Counter("coordinator_trigger_callbacks", "Metaserver callbacks of "
+                                         "trigger decode engines, by the HTTP status answered", ["status"],
+                                         registry=r)
         self.panic_decisions = Counter(
             "coordinator_panic_decisions", "Engines picked although probes call them unhealthy, because "
             "every engine of their model and role is (panic routing)", ["role"], registry=r)

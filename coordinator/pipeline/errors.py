@@ -83,6 +83,15 @@ class UpstreamClientError(PipelineError):
         super().__init__(message, param=param, status=status, type=etype)
 
 
+class EngineBusy(UpstreamClientError):
+    """An engine answered 408, 425, 429 or 503 with a body: it is alive but would not take the
+    request now (vLLM's own admission, a proxy's rate limit). Another engine may take it before the
+    first byte; if none does, the engine's status and message reach the client as they were."""
+
+
+BUSY_STATUSES = frozenset({408, 425, 429, 503})
+
+
 _PYDANTIC_ITEM = re.compile(
     r"'type': '(?P<type>[^']*)', 'loc': '(?P<loc>[^']*)', 'msg': (?P<q>['\"])(?P<msg>.*?)(?P=q)")
 _CLI_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")

@@ -19,6 +19,12 @@ from collections.abc import Callable, Iterator
 import httpx
 
 LANE_CONNECTIONS = 8
+KEEPALIVE_EXPIRY_S = 3.0
+"""How long an idle pooled connection is kept. Below the 5 s keep-alive timeout of the uvicorn
+servers we call (vLLM's engines and render sidecar, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``): with httpx's
+default of 5 s too, a connection
+reused just as the server closes it fails with "Server disconnected without sending a response",
+which a one-engine fleet cannot retry elsewhere (seen as a 502 under load)."""
 
 
 @functools.cache
@@ -32,7 +38,7 @@ class Lanes:
     """``total_connections`` spread over ``ceil(total / LANE_CONNECTIONS)`` clients."""
 
     def __init__(self, total_connections: int, make_client: Callable[[httpx.Limits], httpx.AsyncClient],
-                 keepalive_expiry: float | None = 5.0) -> None:
+                 keepalive_expiry: float | None = KEEPALIVE_EXPIRY_S) -> None:
         per_lane = min(LANE_CONNECTIONS, total_connections)
         limits = httpx.Limits(max_connections=per_lane, max_keepalive_connections=per_lane,
                               keepalive_expiry=keepalive_expiry)

@@ -14,9 +14,11 @@ Rules, in one place:
   fail closed, 503), never for P/D: union placements on ``native_api`` engines only.
 * **Admission and placement** as on the token-only path: one reservation for the whole request
   (every prompt's ids + ``max_tokens * n``), the scheduler's filters and scorers over the union
-  engines marked ``native_api``, the engine's breaker fed by the outcome (a client error is a success
-  for the engine). A failure before the first chunk may go to another native engine
-  (``resilience.retries``); the budget is released however the request ends.
+  engines marked ``native_api``. The attempt rules are the token-only path's own
+  (``topology/attempts.py``): the same breaker feeding, queue-delay accounting, death counting and
+  retry policy (jittered backoff, ``resilience.retries``, ``retries_after_engine_death``), so a failure
+  before the first chunk may go to another native engine; the budget is released however the
+  request ends.
 * **The body** is the client's validated OpenAI body (``model`` = the served name) plus an explicit
   ``max_tokens`` when the client set none (the coordinator's default cap, and what admission
   reserved). The engine's response ``id`` becomes ``ctx.response_id``; everything else is the engine's.
@@ -28,20 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from coordinator.config import ResilienceSettings
 from coordinator.observability import tracing
 from coordinator.observability.events import event
-from coordinator.observability.metrics import Metrics
-from coordinator.pipeline.admission.controller import AdmissionController, Grant
+from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import RequestContext
-from coordinator.pipeline.engines.client import EngineStreamError
 from coordinator.pipeline.engines.native import NativeClient
-from coordinator.pipeline.engines.outcome import record_failure, release
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
     PipelineError,
@@ -49,7 +46,7 @@ from coordinator.pipeline.errors import (
     UpstreamUnavailable,
 )
 from coordinator.pipeline.scheduling.request import SchedRequest
-from coordinator.pipeline.scheduling.scheduler import Scheduler
+from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.legs import attempt_id
 
 log = logging.getLogger(__name__)
@@ -76,16 +73,12 @@ class NativeRouteRefused(PipelineError):
 class NativeRoute:
     """Admission, placement on a ``native_api`` union engine, the call, breaker feeding and release."""
 
-    def __init__(self, client: NativeClient, registry: EngineRegistry, scheduler: Scheduler,
-                 admission: AdmissionController, resilience: ResilienceSettings,
-                 metrics: Metrics | None = None, *, obfuscated: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, client: NativeClient, registry: EngineRegistry, attempts: Attempts, *,
+                 obfuscated: Callable[[], bool] = lambda: False) -> None:
         """``obfuscated`` says whether token obfuscation is on (read per request)."""
         self.client = client
         self._registry = registry
-        self._scheduler = scheduler
-        self._admission = admission
-        self._resilience = resilience
-        self._metrics = metrics
+        self._attempts = attempts
         self._obfuscated = obfuscated
         self._context_lengths: dict[str, int] = {}
 
@@ -132,53 +125,49 @@ class NativeRoute:
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
         """A non-streaming request through an engine's OpenAI API."""
         req, body = self._prepare(ctx)
-        started = time.monotonic()
-        tries = 0
-        while True:
-            grant = await self._admit(req)
-            engine = grant.placement.engine
-            try:
-                with tracing.engine_leg("native", engine.url):
-                    out = await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
-            except BaseException as exc:
-                self._failed(engine, exc, req)
-                if self._retry(exc, req, tries):
-                    tries += 1
-                    continue
-                raise
-            else:
-                self._registry.record_success(engine)
-            finally:
-                self._release(grant)
-            out["id"] = ctx.response_id
-            event(log, "leg", ctx.request_id, engine=engine.url, phase="native", result="ok",
-                  latency_ms=round((time.monotonic() - started) * 1000, 2))
-            return out
+        async for attempt in self._attempts.retrying(req):
+            with attempt:
+                out = await self._complete_once(ctx, body, req)
+                out["id"] = ctx.response_id
+                return out
+        raise AssertionError("unreachable: tenacity re-raises the last failure")
 
     async def open_stream(self, ctx: RequestContext) -> NativeStream:
         """Open the engine stream (HTTP 200) before the client's response headers go out."""
         req, body = self._prepare(ctx)
-        tries = 0
-        while True:
-            grant = await self._admit(req)
-            engine = grant.placement.engine
-            stack = contextlib.AsyncExitStack()
-            leg = tracing.stream_leg("native", engine.url, ends_with=stack)
-            try:
-                with tracing.opening(leg):
-                    chunks = await stack.enter_async_context(
-                        self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
-            except BaseException as exc:
-                await stack.aclose()
-                self._release(grant)
-                self._failed(engine, exc, req)
-                if self._retry(exc, req, tries):
-                    tries += 1
-                    continue
-                raise
-            self._registry.record_success(engine)
-            event(log, "leg", ctx.request_id, engine=engine.url, phase="native", result="streaming")
-            return NativeStream(ctx, self, grant, stack, chunks, req)
+        async for attempt in self._attempts.retrying(req):
+            with attempt:
+                return await self._open_once(ctx, body, req)
+        raise AssertionError("unreachable: tenacity re-raises the last failure")
+
+    async def _complete_once(self, ctx: RequestContext, body: dict[str, Any],
+                             req: SchedRequest) -> dict[str, Any]:
+        grant = await self._attempts.admit(req)
+        engine = grant.placement.engine
+        try:
+            with self._attempts.outcome(engine, req, "native"), tracing.engine_leg("native", engine.url):
+                return await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
+        except BaseException as exc:
+            await self._attempts.count_death(grant, exc, req)
+            raise
+        finally:
+            self._attempts.release(grant)
+
+    async def _open_once(self, ctx: RequestContext, body: dict[str, Any], req: SchedRequest) -> NativeStream:
+        grant = await self._attempts.admit(req)
+        engine = grant.placement.engine
+        stack = contextlib.AsyncExitStack()
+        leg = tracing.stream_leg("native", engine.url, ends_with=stack)
+        try:
+            with self._attempts.outcome(engine, req, "native", ok="streaming"), tracing.opening(leg):
+                chunks = await stack.enter_async_context(
+                    self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
+        except BaseException as exc:
+            await stack.aclose()
+            await self._attempts.count_death(grant, exc, req)
+            self._attempts.release(grant)
+            raise
+        return NativeStream(ctx, self._attempts, grant, stack, chunks, req)
 
     # -- helpers -------------------------------------------------------------------------------
     def _prepare(self, ctx: RequestContext) -> tuple[SchedRequest, dict[str, Any]]:
@@ -206,45 +195,15 @@ class NativeRoute:
                    if e.native_api and e.role == "union" and e.serves(model)]
         return sorted(engines, key=lambda e: not e.healthy)
 
-    async def _admit(self, req: SchedRequest) -> Grant:
-        with tracing.stage("admission", attributes={"coordinator.priority": req.priority,
-                                                    "coordinator.admission.cost_tokens": req.cost_tokens}):
-            return await self._admission.admit(req, tracing.placing(self._scheduler.place))
-
-    def _release(self, grant: Grant) -> None:
-        release(self._registry, grant)
-
-    def _retry(self, exc: BaseException, req: SchedRequest, tries: int) -> bool:
-        """Another native engine may take a request whose engine failed (not the request) before any
-        chunk was sent, within ``resilience.retries``."""
-        if tries >= self._resilience.retries or isinstance(exc, EngineStreamError):
-            return False
-        if not isinstance(exc, UpstreamUnavailable):
-            return False
-        others = [e for e in self._registry.eligible(req.model, "union")
-                  if e.native_api and e.url not in req.exclude]
-        if others:
-            log.warning("native route: retrying %s on another engine after: %s", req.request_id, exc)
-            if self._metrics is not None:
-                self._metrics.retries.inc()
-        return bool(others)
-
-    def _failed(self, engine: Engine, exc: BaseException, req: SchedRequest) -> None:
-        """Feed the breaker as the token-only path does (engines/outcome.py), and log the leg."""
-        record_failure(self._registry, self._metrics, engine, exc, req)
-        if isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
-            event(log, "leg", req.request_id, level=logging.WARNING, engine=engine.url, phase="native",
-                  result=type(exc).__name__, error=str(exc))
-
 
 class NativeStream:
     """One native engine stream as the SSE writer sees it; owns the grant until closed."""
 
-    def __init__(self, ctx: RequestContext, route: NativeRoute, grant: Grant,
+    def __init__(self, ctx: RequestContext, attempts: Attempts, grant: Grant,
                  stack: contextlib.AsyncExitStack, chunks: AsyncIterator[dict[str, Any]],
                  req: SchedRequest) -> None:
         self.ctx = ctx
-        self._route = route
+        self._attempts = attempts
         self._grant = grant
         self._stack = stack
         self._chunks = chunks
@@ -265,7 +224,9 @@ class NativeStream:
                 self.ctx.visible = True
                 yield chunk
         except (UpstreamUnavailable, UpstreamTimeout) as exc:
-            self._route._failed(engine, exc, self._req)
+            self._attempts.failed(engine, exc, self._req)
+            event(log, "leg", self._req.request_id, level=logging.WARNING, engine=engine.url,
+                  phase="stream", result=type(exc).__name__, error=str(exc))
             raise
 
     async def aclose(self) -> None:
@@ -276,7 +237,7 @@ class NativeStream:
         try:
             await self._stack.aclose()
         finally:
-            self._route._release(self._grant)
+            self._attempts.release(self._grant)
 
 
 def _attempt_id(ctx: RequestContext) -> str:

@@ -22,19 +22,38 @@ context overflow) is the client's error and is returned as it is, never retried 
 native engine for the model, or with token obfuscation on, the render error is returned, its message
 saying why there was no fallback. Each request decides at its start; a stream already being
 derendered never changes route.
+
+**Context budget** (``limits.context_budget_mode``; docs/openai-api.md). The context is the
+shortest of the model's ``max_model_len`` (render's ``/v1/models``) and the ``max_model_len`` of the
+engines configured for it. ``off`` (default, OpenAI's rule): a ``max_tokens`` that does not fit is a
+400. ``on``: render is asked with the client's budget field set to 1 (so render cannot refuse it
+first), then the client's value is clamped to ``context - longest prompt`` and written to every
+prompt's ``sampling_params.max_tokens`` and to the body the native route would send. Never raised,
+never set when the client set none; a prompt that leaves no room at all is sent as it is, for the
+engine to refuse. One INFO line names requested, effective and prompt length.
+
+**Render circuit.** A sidecar pool that times out or fails would make every request wait
+``render.timeout_s`` before falling back. After ``render.circuit_failures`` render calls in a row gave
+no usable answer, the circuit opens: for ``render.circuit_cooldown_s`` requests skip render and take
+the fallback at once (or get the render error at once where there is none); then one request probes
+render (half-open) and its answer closes or re-opens the circuit. A 4xx from render is an answer:
+it counts as a success. Only render has a circuit: derender has no fallback to go to.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline.catalog import ModelCatalog, ModelEntry
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
 from coordinator.pipeline.native_route import NativeRoute
@@ -51,9 +70,18 @@ _LOCAL_SAMPLING_FIELDS = ("n", "stop", "include_stop_str_in_output", "min_tokens
 class RenderStage:
     def __init__(self, sidecar: SidecarClient, catalog: ModelCatalog,
                  default_max_tokens: int | None = None, *, local: LocalTokenizers | None = None,
-                 native_route: NativeRoute | None = None) -> None:
-        """Without ``local`` and ``native_route`` there is no render fallback (render errors go out)."""
+                 native_route: NativeRoute | None = None,
+                 context_budget: Literal["off", "on"] = "off",
+                 engine_lengths: Callable[[str], list[int]] = lambda model: [],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Without ``local`` and ``native_route`` there is no render fallback (render errors go out).
+        ``engine_lengths(model)``: the configured ``max_model_len`` of the engines that may run it.
+        ``clock`` drives the render circuit's cooldown (tests)."""
         self._sidecar = sidecar
+        self._clamp = context_budget == "on"
+        self._engine_lengths = engine_lengths
+        self.circuit = CircuitBreaker(sidecar.settings.circuit_failures, sidecar.settings.circuit_cooldown_s,
+                                      clock)
         self._catalog = catalog
         self._default_max_tokens = default_max_tokens
         self._local = local
@@ -77,17 +105,69 @@ class RenderStage:
         except (UpstreamUnavailable, UpstreamTimeout) as exc:  # not UpstreamClientError: the client's
             await self._fallback(ctx, entry, exc, started)
             return
-        max_len = await self._catalog.max_model_len(entry)
+        max_len = self._context(ctx, await self._catalog.max_model_len(entry))
         vocab = await self._catalog.vocab_size(entry)
         prompt_field = "messages" if ctx.kind == "chat" else "prompt"
         for g in rendered:
             check_rendered(g, vocab, prompt_field=prompt_field)
-        requested = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+        requested = self._budget(ctx, [len(g["token_ids"]) for g in rendered], max_len)
         ctx.prompts = [self._plan(i, g, ctx, requested, max_len) for i, g in enumerate(rendered)]
 
+    def _context(self, ctx: RequestContext, model_len: int) -> int:
+        """The context every prompt must fit: the model's, or a shorter engine's."""
+        return min([model_len, *self._engine_lengths(ctx.model)])
+
+    def _budget(self, ctx: RequestContext, prompt_lengths: list[int], max_len: int) -> int | None:
+        """The client's output budget, clamped to what fits when ``context_budget_mode`` is on."""
+        field = "max_completion_tokens" if ctx.body.get("max_completion_tokens") else "max_tokens"
+        raw = ctx.body.get(field)
+        if raw is None:
+            return None
+        requested = int(raw)
+        if not self._clamp:
+            return requested
+        longest = max(prompt_lengths, default=0)
+        room = max_len - longest
+        if room < 1 or requested <= room:
+            return requested  # fits, or nothing fits: the engine refuses it
+        log.info("request %s: context budget: requested %d output tokens, effective %d "
+                 "(prompt %d tokens, context %d)", ctx.request_id, requested, room, longest, max_len)
+        ctx.body[field] = room  # what the native route would send
+        return room
+
     async def _render(self, ctx: RequestContext) -> list[dict[str, Any]]:
+        """One render call through the render circuit (module doc)."""
+        circuit = self.circuit
+        if not circuit.available():
+            raise UpstreamUnavailable(f"render circuit open after {self._sidecar.settings.circuit_failures} "
+                                      f"failed render calls in a row")
+        circuit.on_pick()
+        try:
+            rendered = await self._render_call(ctx)
+        except (UpstreamUnavailable, UpstreamTimeout):
+            opened_before = circuit.state != "closed"
+            circuit.record_failure()
+            if circuit.state == "open" and not opened_before:
+                log.warning("render circuit open for %.1fs: render calls keep failing",
+                            self._sidecar.settings.circuit_cooldown_s)
+            raise
+        except asyncio.CancelledError:
+            circuit.release_trial()
+            raise
+        except BaseException:
+            circuit.record_success()  # render answered (a 4xx for this request)
+            raise
+        if circuit.state != "closed":
+            log.info("render circuit closed: render answers again")
+        circuit.record_success()
+        return rendered
+
+    async def _render_call(self, ctx: RequestContext) -> list[dict[str, Any]]:
         path = "/v1/chat/completions/render" if ctx.kind == "chat" else "/v1/completions/render"
-        out = await self._sidecar.post(path, ctx.body, request_id=ctx.request_id, stage="render")
+        body = ctx.body
+        if self._clamp:  # render must not refuse a budget the coordinator will clamp (module doc)
+            body = {**body, **{f: 1 for f in ("max_completion_tokens", "max_tokens") if body.get(f)}}
+        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="render")
         rendered = [out] if isinstance(out, dict) else out
         if not isinstance(rendered, list) or not rendered or not all(
                 isinstance(g, dict) and isinstance(g.get("token_ids"), list) for g in rendered):
@@ -109,12 +189,13 @@ class RenderStage:
             prompts = await self._local.tokenize(ctx.kind, ctx.body, entry.name, entry.root)
         except UpstreamUnavailable as exc:
             raise _with_message(error, f"render is unavailable ({error.message}) and {exc.message}") from exc
-        max_len = await native.context_length(entry)
-        if max_len is None:
+        model_len = await native.context_length(entry)
+        if model_len is None:
             raise _with_message(error, f"render is unavailable ({error.message}) and the context length "
                                 f"of model {entry.name!r} is unknown (set models[].max_model_len)")
+        max_len = self._context(ctx, model_len)
         sp = {k: ctx.body[k] for k in _LOCAL_SAMPLING_FIELDS if ctx.body.get(k) is not None}
-        requested = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+        requested = self._budget(ctx, [len(ids) for ids in prompts], max_len)
         ctx.prompts = [self._plan(i, {"request_id": ctx.request_id, "token_ids": ids, "sampling_params": sp},
                                   ctx, requested, max_len) for i, ids in enumerate(prompts)]
         ctx.tokenizer_source = "local"
@@ -127,12 +208,13 @@ class RenderStage:
               max_len: int) -> PromptPlan:
         ids: list[int] = gr["token_ids"]
         room = max_len - len(ids)
-        if room < 1:
+        fills = room < 1  # with context_budget_mode on, sent as it is: the engine refuses it
+        if fills and not self._clamp:
             raise BadRequest(
                 f"This model's maximum context length is {max_len} tokens. However, your prompt "
                 f"contains {len(ids)} tokens, which leaves no room for output.", param="messages"
                 if ctx.kind == "chat" else "prompt")
-        if requested is not None and requested > room:
+        if requested is not None and requested > room and not fills:
             raise BadRequest(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the "
@@ -144,10 +226,12 @@ class RenderStage:
         else:
             if "max_tokens" not in sp:
                 # Omitted by SamplingParams serialisation when equal to its default (16).
-                sp["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.kind == "completion" else room
+                sp["max_tokens"] = (COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.kind == "completion"
+                                    else max(room, 1))
             if self._default_max_tokens is not None:  # the operator's cap for clients that set none
                 sp["max_tokens"] = min(int(sp["max_tokens"]), self._default_max_tokens)
-        sp["max_tokens"] = min(int(sp["max_tokens"]), room)
+        if not fills:
+            sp["max_tokens"] = min(int(sp["max_tokens"]), room)
         stop = sp.pop("stop", None) or []
         spec = StopSpec(tuple([stop] if isinstance(stop, str) else stop),
                         bool(sp.get("include_stop_str_in_output", False)), int(sp.get("min_tokens", 0)))

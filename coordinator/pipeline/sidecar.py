@@ -5,8 +5,9 @@ with the number of processes, not with ``--renderer-num-workers``. ``render.urls
 processes (same model and flags); each call goes to the one with the fewest calls in flight (ties:
 round robin). Render and derender are stateless (a stream's ``stream_state`` travels with every call),
 so any chunk may go to any sidecar, and a call that failed without a usable answer (no connection, a
-broken connection, a 5xx) is retried once on another sidecar; a sidecar that refused a connection gets
-no calls for ``render.skip_s`` (docs/decisions.md, "Render sidecar pool").
+broken connection, a 5xx) is retried once on another sidecar (a broken connection also on the same
+one, when it is alone); a sidecar that refused a connection gets no calls for ``render.skip_s``
+(docs/decisions.md, "Render sidecar pool").
 
 JSON goes through msgspec both ways (several times faster than the stdlib on the per-chunk path).
 Parts of a body that do not change between calls can be encoded once and passed as ``msgspec.Raw``
@@ -40,13 +41,10 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import Lanes, shared_ssl_context
+from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, Lanes, shared_ssl_context
 
 log = logging.getLogger(__name__)
 
-# Idle connections are dropped before the sidecar's own keep-alive timeout (uvicorn in vLLM: 5 s,
-# VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a call rarely lands on a connection the server is closing.
-KEEPALIVE_EXPIRY_S = 4.0
 HEALTH_TIMEOUT_S = 2.0
 
 _encode = msgspec.json.Encoder().encode
@@ -74,11 +72,21 @@ class Sidecar:
     outstanding: int = 0       # calls in flight
     calls: int = 0             # calls sent (retries included)
     skip_until: float = 0.0    # monotonic; refused a connection, so no calls before this
+    relearn: bool = True       # its derender features are unknown (never asked, or it was gone since)
+    excluded: str | None = None  # why it gets no calls (it disagrees with the pool's parsers)
 
     @property
     def http(self) -> httpx.AsyncClient:
         """A connection pool for one-off calls (health, models)."""
         return self.lanes.first
+
+
+@dataclass(eq=False)
+class Affinity:
+    """Where one stream's derender calls go: the sidecar that served its last call, while it answers
+    (its parser session is there, docs/parsers.md). Render calls have none and stay least-loaded."""
+
+    sidecar: Sidecar | None = None
 
 
 @dataclass(frozen=True)
@@ -106,11 +114,14 @@ def stage_errors(stage: str) -> StageErrors:
 
 
 class _Retryable(Exception):
-    """The call got no usable answer from this sidecar; another one may give it."""
+    """The call got no usable answer from this sidecar; another one may give it. ``broken``: the
+    connection broke under the call (reset, closed without an answer), which a fresh connection to
+    the same sidecar usually does not repeat."""
 
-    def __init__(self, error: PipelineError) -> None:
+    def __init__(self, error: PipelineError, broken: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.broken = broken
 
 
 class SidecarClient:
@@ -135,14 +146,21 @@ class SidecarClient:
     async def aclose(self) -> None:
         await asyncio.gather(*(s.lanes.aclose() for s in self.sidecars))
 
-    def pick(self, exclude: Sidecar | None = None, stage: str = "render") -> Sidecar | None:
-        """The sidecar for the next call: fewest calls in flight among those not skipped, ties taken
-        in round-robin order. If every candidate is skipped, the one whose skip ends first (better one
-        connection attempt than a certain failure). None when ``exclude`` was the only one."""
-        candidates = [s for s in self.sidecars if s is not exclude]
+    def pick(self, exclude: Sidecar | None = None, stage: str = "render",
+             affinity: Affinity | None = None) -> Sidecar | None:
+        """The sidecar for the next call: the stream's own (``affinity``) while it is not skipped,
+        else the fewest calls in flight among those not skipped, ties taken in round-robin order. If
+        every candidate is skipped, the one whose skip ends first (better one connection attempt than
+        a certain failure). None when ``exclude`` was the only one. Sidecars excluded for disagreeing
+        with the pool get no calls while another one is there."""
+        candidates = [s for s in self.sidecars if s is not exclude and s.excluded is None] or [
+            s for s in self.sidecars if s is not exclude]
         if not candidates:
             return None
         now = self._clock()
+        own = affinity.sidecar if affinity is not None else None
+        if own is not None and own in candidates and own.skip_until <= now:
+            return own
         live = [s for s in candidates if s.skip_until <= now]
         if not live:
             return min(candidates, key=lambda s: s.skip_until)
@@ -151,35 +169,57 @@ class SidecarClient:
         return min(live, key=lambda s: (s.outstanding, (s.index - start) % n))
 
     async def post(self, path: str, body: Mapping[str, Any], *, request_id: str | None = None,
-                   stage: str = "render") -> Any:
+                   stage: str = "render", affinity: Affinity | None = None,
+                   decode: Callable[[bytes], Any] | None = None) -> Any:
         """POST ``body`` as JSON (``msgspec.Raw`` values spliced in as they are) and return the decoded
-        reply; 4xx pass through as client errors, the rest become 502/504."""
-        return await self.post_raw(path, _encode(body), request_id=request_id, stage=stage)
+        reply; 4xx pass through as client errors, the rest become 502/504. With ``affinity`` the call
+        goes to the stream's sidecar while it answers, and ``affinity`` then names the one that did.
+        ``decode``: a typed msgspec decoder for the reply (a reply it refuses is a malformed body)."""
+        return await self.post_raw(path, _encode(body), request_id=request_id, stage=stage,
+                                   affinity=affinity, decode=decode)
 
     async def post_raw(self, path: str, content: bytes, *, request_id: str | None = None,
-                       stage: str = "render") -> Any:
+                       stage: str = "render", affinity: Affinity | None = None,
+                       decode: Callable[[bytes], Any] | None = None) -> Any:
         """Like ``post`` for a body that is already JSON bytes (e.g. built once from ``encode``)."""
         headers = {"content-type": "application/json"}
         if request_id:
             headers["x-request-id"] = request_id
         tracing.inject(headers)  # traceparent of the render/derender span (nothing when tracing is off)
-        first = self.pick(stage=stage)
+        first = self.pick(stage=stage, affinity=affinity)
         assert first is not None  # settings.endpoints is never empty
         try:
-            return await self._send(first, path, content, headers, stage)
+            return await self._send(first, path, content, headers, stage, affinity, decode)
         except _Retryable as failed:
-            second = self.pick(exclude=first, stage=stage)
+            # Render and derender calls are safe to send twice: derender carries its whole state in
+            # the call (a cached parser session that already moved on only misses and replays).
+            # A broken pooled connection (the server closed it as idle just as the call went out:
+            # a reset, or no answer) is retried on the same sidecar when it is the only one.
+            second = self.pick(exclude=first, stage=stage) or (first if failed.broken else None)
             if second is None:
                 raise failed.error from failed.__cause__
             log.info("%s on %s failed (%s); retrying on %s", stage, first.url, failed.error.message,
                      second.url)
         try:
-            return await self._send(second, path, content, headers, stage)
+            return await self._send(second, path, content, headers, stage, affinity, decode)
         except _Retryable as failed:
             raise failed.error from failed.__cause__
 
+    async def call(self, sidecar: Sidecar, method: str, path: str,
+                   body: Mapping[str, Any] | None = None) -> tuple[int, Any] | None:
+        """One plain call to one sidecar (start-up questions): status and decoded body (None when it
+        is not JSON); None when the sidecar did not answer."""
+        try:
+            resp = await sidecar.http.request(method, path, content=None if body is None else _encode(body),
+                                              headers={"content-type": "application/json"},
+                                              timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        return resp.status_code, _json_or_none(resp.content)
+
     async def _send(self, sidecar: Sidecar, path: str, content: bytes, headers: dict[str, str],
-                    stage: str) -> Any:
+                    stage: str, affinity: Affinity | None = None,
+                    decode: Callable[[bytes], Any] | None = None) -> Any:
         errors = stage_errors(stage)
         sidecar.outstanding += 1
         sidecar.calls += 1
@@ -187,8 +227,10 @@ class SidecarClient:
             with sidecar.lanes.lane() as http:
                 resp = await http.post(path, content=content, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            # Nothing listens (process gone or restarting): skip it for a while.
+            # Nothing listens (process gone or restarting): skip it for a while; when it is back it
+            # may run other flags, so its derender features are asked again.
             sidecar.skip_until = self._clock() + self.settings.skip_s
+            sidecar.relearn = True
             raise _Retryable(errors.unavailable(
                 f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
         except httpx.TimeoutException as exc:
@@ -197,12 +239,14 @@ class SidecarClient:
         except httpx.TransportError as exc:
             # Connection broke under the call (sidecar died, or closed an idle keep-alive connection).
             raise _Retryable(errors.unavailable(
-                f"{stage} sidecar unreachable: {exc.__class__.__name__}")) from exc
+                f"{stage} sidecar unreachable: {exc.__class__.__name__}"), broken=True) from exc
         except httpx.HTTPError as exc:
             raise errors.unavailable(f"{stage} sidecar unreachable: {exc.__class__.__name__}") from exc
         finally:
             sidecar.outstanding -= 1
         sidecar.skip_until = 0.0
+        if affinity is not None and resp.status_code < 500:
+            affinity.sidecar = sidecar  # it answered: the stream's session (if any) is there now
         if resp.status_code >= 400:
             data = _json_or_none(resp.content)
             status = resp.status_code
@@ -218,7 +262,9 @@ class SidecarClient:
                         resp.text[:300])
             raise _Retryable(errors.unavailable(f"{stage} sidecar failed with HTTP {status}"))
         try:
-            return _decode(resp.content)
+            return (decode or _decode)(resp.content)
+        except msgspec.ValidationError as exc:
+            raise errors.unavailable(f"{stage} sidecar returned an unexpected body: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise errors.unavailable(f"{stage} sidecar returned invalid JSON") from exc
 
@@ -244,6 +290,7 @@ class SidecarClient:
                 resp = await sidecar.http.get("/health", timeout=HEALTH_TIMEOUT_S)
             except httpx.HTTPError:
                 sidecar.skip_until = self._clock() + self.settings.skip_s
+                sidecar.relearn = True
                 return False
             ok = resp.status_code == 200
             sidecar.skip_until = 0.0 if ok else self._clock() + self.settings.skip_s

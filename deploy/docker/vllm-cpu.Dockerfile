@@ -10,8 +10,8 @@
 # scheme, built for one instruction set, and not what the tests exercise.
 #
 # One file, two targets sharing the install layer:
-#   docker build -f deploy/docker/vllm-cpu.Dockerfile --target render -t llm-coordinator-render:v0.32.0-cpu deploy/docker
-#   docker build -f deploy/docker/vllm-cpu.Dockerfile --target engine -t llm-coordinator-engine:v0.32.0-cpu deploy/docker
+#   docker build -f deploy/docker/vllm-cpu.Dockerfile --target render -t llm-coordinator-render:v0.32.0-cpu .
+#   docker build -f deploy/docker/vllm-cpu.Dockerfile --target engine -t llm-coordinator-engine:v0.32.0-cpu .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS vllm-cpu
@@ -41,15 +41,20 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/vllm --shell
 USER 10001:10001
 WORKDIR /home/vllm
 
-# Render sidecar: the same entry and defaults as render.Dockerfile.
+# Render sidecar: the same entry (ours, with the parser-session cache) and defaults as render.Dockerfile.
 FROM vllm-cpu AS render
 LABEL org.opencontainers.image.title="llm-coordinator-render"
+USER root
+COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
+     render_sidecar/sessions.py /opt/llmc/render_sidecar/
+ENV PYTHONPATH=/opt/llmc
+USER 10001:10001
 EXPOSE 8100
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8100/health', timeout=2).status != 200)"]
 # Module entries, not the `vllm` console script: with the vllm-cpu distribution the script fails
 # (PackageNotFoundError: vllm), and the entries need --model (a positional model is ignored).
-ENTRYPOINT ["python", "-m", "vllm.entrypoints.launchers.render.entry"]
+ENTRYPOINT ["python", "-m", "render_sidecar.server"]
 CMD ["--model", "/models/served-model", "--host", "127.0.0.1", "--port", "8100", "--disable-uvicorn-access-log"]
 
 # Token-only engine. --dtype float32 (bf16 gave wrong greedy text on CPUs without native bf16) and

@@ -1,17 +1,15 @@
 """The precise prefix index fed by a real CPU vLLM engine's KV events.
 
-Self-contained (starts and stops its own tokens-only engine with ZMQ KV events), so it runs alone:
-``.venv/bin/python -m pytest -q tests/e2e/test_kv_events_real.py``.
+It subscribes to the session's second token-only engine (which publishes its KV events over ZMQ) for
+the duration of the test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,17 +18,11 @@ import pytest
 from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventSubscriber, PreciseIndexSource
-from tests.conftest import MAX_MODEL_LEN, SERVED
+from tests.conftest import SERVED, VllmStack
 
 pytestmark = pytest.mark.e2e
 
 BS = 16  # the coordinator's index block size; the CPU engine's KV blocks are 128 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tokens(seed: int, n: int = 700) -> list[int]:
@@ -43,21 +35,11 @@ def ours(prompt: list[int], salt: str | None = None) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def kv_engine(model_dir: Path, logs_dir: Path) -> Iterator[tuple[Any, int]]:
-    from token_engine.launch import VllmEngine
-
-    events_port = free_port()
-    engine = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
-                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "kv-events-engine.log", echo=False,
-                        name="kv-events", kv_events_config={
-                            "enable_kv_cache_events": True, "publisher": "zmq",
-                            "endpoint": f"tcp://*:{events_port}", "topic": "kv"})
-    try:
-        engine.start()
-        engine.wait_ready(timeout=600)
-        yield engine, events_port
-    finally:
-        engine.stop()
+def kv_engine(vllm_stack: VllmStack) -> tuple[Any, str]:
+    """The session's second token-only engine, which publishes its KV events over ZMQ (topic "kv"),
+    and that endpoint. Its cache may hold other tests' blocks; every prompt here is fresh random ids."""
+    engine = vllm_stack.engine2
+    return engine, vllm_stack.kv_events[engine.url]
 
 
 async def generate(client: httpx.AsyncClient, url: str, prompt: list[int], rid: str, **extra: Any) -> None:
@@ -85,12 +67,12 @@ async def joined(client: httpx.AsyncClient, url: str, sub: KvEventSubscriber) ->
     pytest.fail("no KV event batch reached the subscriber")
 
 
-async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, int]) -> None:
-    engine, events_port = kv_engine
+async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, str]) -> None:
+    engine, endpoint = kv_engine
     index = PrefixIndex()
     source = PreciseIndexSource(index, lambda url: SERVED, BS, topic="kv")
     try:
-        sub = await source.attach(engine.url, f"tcp://*:{events_port}")
+        sub = await source.attach(engine.url, endpoint)
         mirror = sub.mirror
         async with httpx.AsyncClient() as client:
             await joined(client, engine.url, sub)

@@ -223,3 +223,27 @@ def test_seeded_sampling_with_n_2_matches_native(coord: CoordinatorServer, vllm_
     roles = [ch["index"] for ev in events if isinstance(ev, dict) for ch in ev["choices"]
              if (ch.get("delta") or {}).get("role")]
     assert sorted(roles) == [0, 1], "each choice gets its role exactly once"
+
+
+def test_context_budget_on_clamps_to_the_shorter_engine_and_matches_native(vllm_stack: VllmStack) -> None:
+    """``context_budget_mode: on`` with the engine declared at 96 tokens of context: a budget of 1000
+    is clamped to 96 - prompt, the real engine generates exactly that many greedy tokens, and the text
+    is the native server's for that max_tokens."""
+    from coordinator.config import EngineSettings
+
+    settings = make_settings(vllm_stack.render_url, [], limits={"context_budget_mode": "on"},
+                             engines=[EngineSettings(url=vllm_stack.engine.url, max_model_len=96)])
+    body = chat("Tell me a long story about a dragon.", max_tokens=1000)
+    with CoordinatorServer(settings) as coord:
+        ours = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=120)
+        assert ours.status_code == 200, ours.text
+        usage = ours.json()["usage"]
+        assert usage["completion_tokens"] == 96 - usage["prompt_tokens"]
+        assert ours.json()["choices"][0]["finish_reason"] == "length"
+        native = native_chat(vllm_stack, {**body, "max_tokens": 96 - usage["prompt_tokens"]})
+        assert ours.json()["choices"][0]["message"]["content"] == native["choices"][0]["message"]["content"]
+        off = make_settings(vllm_stack.render_url, [],
+                            engines=[EngineSettings(url=vllm_stack.engine.url, max_model_len=96)])
+    with CoordinatorServer(off) as coord:
+        refused = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=120)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -53,14 +53,19 @@ def content_chunks(events: list[Any]) -> list[dict[str, Any]]:
 
 
 def test_sigterm_lets_the_open_stream_finish_then_exits_0(vllm_stack: VllmStack, tmp_path: Path) -> None:
-    delay = 2.0
-    with CoordinatorProcess(config(vllm_stack, drain_delay_s=delay, drain_timeout_s=120), tmp_path) as coord:
+    # Long enough that a probe sent right after the signal lands inside the delay even on a loaded
+    # two-core machine (three CPU engines stream meanwhile); the probe's client and connection are
+    # made before the signal, as a kubelet's prober is, so only the request itself is timed.
+    delay = 5.0
+    with CoordinatorProcess(config(vllm_stack, drain_delay_s=delay, drain_timeout_s=120), tmp_path) as coord, \
+            httpx.Client(base_url=coord.url, timeout=10) as probe:
+        assert probe.get("/ready").status_code == 200
         reader = StreamReader(coord.url, long_stream(150))
         reader.start()
         assert reader.first.wait(120) and reader.error is None
         sent = time.monotonic()
         os.kill(coord.process.pid, signal.SIGTERM)
-        r = httpx.get(f"{coord.url}/ready", timeout=10)
+        r = probe.get("/ready")
         assert r.status_code == 503 and r.json()["draining"] is True and r.json()["ready"] is False
         assert reader.is_alive(), "the stream must still be running while /ready says draining"
         assert wait_until(lambda: refused(coord.url), timeout=delay + 10)

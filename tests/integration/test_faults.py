@@ -322,6 +322,29 @@ def test_engine_5xx_before_the_first_byte_is_retried_on_another_engine(
     assert_no_leaks(coord, *sims)
 
 
+@pytest.mark.parametrize("status", [429, 503])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_busy_engine_hands_the_request_to_another_and_keeps_its_health(
+        status: int, streaming: bool, sims: Sims, coord: CoordinatorServer) -> None:
+    """vLLM's own admission (or a proxy's rate limit) said 'not now' before the first byte: another
+    engine serves it, and the busy engine is not counted as failed."""
+    body = stream_chat() if streaming else chat()
+    before = generate_calls(sims)
+    baseline = stream(coord, body) if streaming else post(coord, body).json()
+    victim = served_by(sims, before)
+    victim.set_faults(fail_next=1, fail_status=status,
+                      fail_body={"error": {"message": "busy", "type": "ServiceUnavailableError",
+                                           "param": None, "code": status}})
+    if streaming:
+        check_one_continuous_stream(stream(coord, body), baseline)
+    else:
+        r = post(coord, body)
+        assert r.status_code == 200 and r.json()["choices"] == baseline["choices"]
+    assert sample(coord, "coordinator_retries_total") == 1
+    assert sample(coord, "coordinator_engine_failures_total", engine=victim.url) in (None, 0)
+    assert_no_leaks(coord, *sims)
+
+
 def test_engine_unreachable_is_retried_on_another_engine(
         proxy: FaultProxy, sims: Sims, coordinator_factory: CoordinatorFactory) -> None:
     """An engine that went away since the last probe: the connection is refused, another takes it."""

@@ -175,8 +175,11 @@ def test_budget_is_released_on_every_exit_path(render_sidecar: Any, coordinator_
     # loaded machine: 400 tokens at 20 ms leave it 8 s.
     per_token = 0.02 if path == "client_leaves_stream" else 0.005
     with sims(1, decode_s_per_token=per_token) as (sim,):
+        # Only the stall path needs a short idle timeout: elsewhere a loaded machine's pause between two
+        # tokens must not turn the path under test into a stream timeout.
+        idle = {"stream_idle_timeout_s": 0.5} if path == "stream_timeout" else {}
         coord = coordinator_factory(render_sidecar.url, [], engines=[{"url": sim.url, "max_inflight_tokens": 600}],
-                                    engine_client={"stream_idle_timeout_s": 0.5})
+                                    engine_client=idle)
         url = f"{coord.url}/v1/chat/completions"
         if path == "success":
             assert httpx.post(url, json=chat(), timeout=30).status_code == 200
@@ -196,7 +199,8 @@ def test_budget_is_released_on_every_exit_path(render_sidecar: Any, coordinator_
             assert sse_events(httpx.post(url, json=chat(stream=True), timeout=30))[-2]["error"]["code"] == 504
         elif path == "client_leaves_stream":
             with httpx.Client(timeout=30) as c, c.stream("POST", url, json=chat(max_tokens=400, stream=True)) as r:
-                next(r.iter_lines())
+                first = next(line for line in r.iter_lines() if line)
+                assert first.startswith("data: {") and '"error"' not in first, first
                 assert coord.components.ledger.global_inflight > 0
         elif path == "client_leaves_json":
             with pytest.raises(httpx.ReadTimeout):
@@ -400,7 +404,8 @@ def test_failed_decode_reruns_prefill_never_reuses_stale_params(render_sidecar: 
     with (SimulatedEngine(SimConfig(model=SERVED, kv_role="prefill", engine_id="p0")) as p,
           SimulatedEngine(SimConfig(model=SERVED, kv_role="decode", engine_id="d0")) as d0,
           SimulatedEngine(SimConfig(model=SERVED, kv_role="decode", engine_id="d1")) as d1):
-        coord = coordinator_factory(render_sidecar.url, [], topology={"pd_min_uncached_tokens": 0},
+        coord = coordinator_factory(render_sidecar.url, [],
+                                    topology={"pd_min_uncached_tokens": 0, "hybrid_fallback": False},
                                     engines=[{"url": p.url, "role": "prefill"}, {"url": d0.url, "role": "decode"},
                                              {"url": d1.url, "role": "decode"}])
         d0.set_faults(fail_next=1, fail_status=500)
@@ -411,6 +416,73 @@ def test_failed_decode_reruns_prefill_never_reuses_stale_params(render_sidecar: 
         decodes = [h["kv_transfer_params"]["remote_request_id"] for h in
                    d0.state()["history"] + d1.state()["history"]]
         assert len(prefills) == 2 and len(decodes) == 2 and len(set(decodes)) == 2  # fresh params per attempt
+        assert wait_until(lambda: released(coord))
+
+
+def hybrid_coord(factory: CoordinatorFactory, render: Any, p: SimulatedEngine, d: SimulatedEngine,
+                 u: SimulatedEngine, **resilience: Any) -> CoordinatorServer:
+    return factory(render.url, [], topology={"pd_min_uncached_tokens": 0},
+                   resilience={"breaker_failures": 1, "breaker_cooldown_s": 600, **resilience},
+                   engines=[{"url": p.url, "role": "prefill"}, {"url": d.url, "role": "decode"},
+                            {"url": u.url, "role": "union"}])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_both_pd_breakers_open_a_union_engine_serves(render_sidecar: Any, coordinator_factory: CoordinatorFactory,
+                                                          pd: Any, stream: bool) -> None:
+    p, d, u = pd
+    coord = hybrid_coord(coordinator_factory, render_sidecar, p, d, u)
+    body = chat(stream=stream, temperature=0)
+    want = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=30)   # the pair serves it
+    assert p.state()["requests_total"] == 1 and u.state()["requests_total"] == 0
+    for engine in coord.components.registry.engines:
+        if engine.role != "union":
+            engine.breaker.record_failure()                 # breaker_failures 1: open for 600 s
+    got = httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=30)
+    assert got.status_code == 200, got.text
+    if stream:
+        assert streamed_text(sse_events(got)) == streamed_text(sse_events(want))
+    else:
+        assert got.json()["choices"] == want.json()["choices"]
+    assert u.state()["requests_total"] == 1 and p.state()["requests_total"] == 1
+    assert sample(coord, "coordinator_pd_decisions_total", path="fallback_union") == 1
+    assert wait_until(lambda: released(coord))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pd_request_failing_before_the_first_byte_restarts_on_the_fallback(
+        render_sidecar: Any, coordinator_factory: CoordinatorFactory, pd: Any, stream: bool) -> None:
+    """The decode engine fails: the retry finds no routable pair (the only decode engine failed it) and
+    runs on the union engine; the next request goes there at once (the decode breaker is open)."""
+    p, d, u = pd
+    coord = hybrid_coord(coordinator_factory, render_sidecar, p, d, u)
+    d.set_faults(fail_next=1, fail_status=500)
+    r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(stream=stream), timeout=30)
+    assert r.status_code == 200 and (not stream or sse_events(r)[-1] == "[DONE]")
+    assert d.state()["generate_calls"] == 1 and u.state()["requests_total"] == 1
+    assert sample(coord, "coordinator_retries_total") == 1
+    assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat(), timeout=30).status_code == 200
+    assert u.state()["requests_total"] == 2 and d.state()["generate_calls"] == 1
+    assert sample(coord, "coordinator_pd_decisions_total", path="fallback_union") == 2
+    assert wait_until(lambda: released(coord))
+
+
+def test_a_pd_stream_failing_mid_way_continues_on_the_fallback_by_relay(
+        render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """Output is a function of the context (simulator ``mode: context``), so a relayed stream must read
+    exactly like an unbroken one."""
+    with (SimulatedEngine(SimConfig(model=SERVED, kv_role="prefill", engine_id="p0", mode="context")) as p,
+          SimulatedEngine(SimConfig(model=SERVED, kv_role="decode", engine_id="d0", mode="context")) as d,
+          SimulatedEngine(SimConfig(model=SERVED, mode="context")) as u):
+        coord = hybrid_coord(coordinator_factory, render_sidecar, p, d, u)
+        body = chat(stream=True, max_tokens=24)
+        want = streamed_text(sse_events(httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=30)))
+        d.set_faults(drop_after_tokens=6)
+        events = sse_events(httpx.post(f"{coord.url}/v1/chat/completions", json=body, timeout=30))
+        assert events[-1] == "[DONE]" and "error" not in events[-2]
+        assert streamed_text(events) == want
+        assert u.state()["requests_total"] == 1 and sample(coord, "coordinator_relays_total") == 1
+        assert sample(coord, "coordinator_pd_decisions_total", path="fallback_union") == 1
         assert wait_until(lambda: released(coord))
 
 
@@ -469,4 +541,13 @@ def test_admin_api_drains_and_replaces_engines(render_sidecar: Any, two: list[Si
     assert r.status_code == 200 and [e["url"] for e in r.json()["engines"]] == [b.url]
     bad = httpx.put(f"{coord.url}/admin/engines", json=[{"url": b.url, "role": "chef"}])
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    # P/D protocols: a mixed pool is refused as at start-up, and trigger engines need the metaserver,
+    # which this coordinator (started without any) does not run; the engine set is left as it was.
+    mixed = [{"url": a.url, "role": "prefill", "pd_protocol": "trigger"}, {"url": b.url, "role": "decode"}]
+    r = httpx.put(f"{coord.url}/admin/engines", json=mixed)
+    assert r.status_code == 400 and "mixes handoff and trigger" in r.json()["error"]["message"]
+    trigger = [{**e, "pd_protocol": "trigger"} for e in mixed]
+    r = httpx.put(f"{coord.url}/admin/engines", json=trigger)
+    assert r.status_code == 400 and "metaserver" in r.json()["error"]["message"]
+    assert [e["url"] for e in httpx.get(f"{coord.url}/admin/engines").json()["engines"]] == [b.url]
     assert httpx.post(f"{coord.url}/admin/engines/drain", params={"url": "http://nowhere:1"}).status_code == 404

@@ -36,3 +36,29 @@ def test_unknown_key_is_rejected(tmp_path: Path) -> None:
     cfg.write_text("rendr: {url: x}\n")
     with pytest.raises(ValidationError):
         load_settings(cfg)
+
+
+def test_handoff_and_trigger_engines_of_one_model_are_refused_at_start() -> None:
+    engines = [{"url": "http://p:8000", "role": "prefill", "pd_protocol": "trigger"},
+               {"url": "http://d:8000", "role": "decode"}]
+    with pytest.raises(ValidationError) as err:
+        load_settings(engines=engines)
+    message = str(err.value)
+    assert "mixes handoff and trigger" in message
+    assert "http://p:8000 (trigger)" in message and "http://d:8000 (handoff)" in message
+    ok = load_settings(engines=[{**e, "pd_protocol": "trigger"} for e in engines])
+    assert ok.uses_trigger()
+    assert not load_settings(engines=[{"url": "http://u:8000", "pd_protocol": "trigger"}]).uses_trigger()
+
+
+def test_a_discovered_service_counts_in_the_one_protocol_rule() -> None:
+    with pytest.raises(ValidationError, match=r"discovery decode\.svc"):
+        load_settings(engines=[{"url": "http://p:8000", "role": "prefill", "pd_protocol": "trigger"}],
+                      discovery=[{"dns_name": "decode.svc", "role": "decode"}])
+
+
+def test_a_wildcard_metaserver_needs_an_address_engines_can_reach() -> None:
+    with pytest.raises(ValidationError, match="advertise_host"):
+        load_settings(topology={"trigger": {"host": "0.0.0.0"}})
+    s = load_settings(topology={"trigger": {"host": "0.0.0.0", "advertise_host": "10.1.2.3"}})
+    assert s.topology.trigger.advertise_host == "10.1.2.3"

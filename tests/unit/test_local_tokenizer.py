@@ -126,7 +126,8 @@ class StubNative:
         return MAX_MODEL_LEN
 
 
-def render_stage(model_dir: Path, answer: Any, native: StubNative | None = None) -> RenderStage:
+def render_stage(model_dir: Path, answer: Any, native: StubNative | None = None,
+                 clock: Any = None, max_model_len: int | None = None, **render: Any) -> RenderStage:
     """``answer(request)`` plays the sidecar's render route; /v1/models knows nothing (render never
     answered it), so the context length comes from the native route."""
     def handler(request: httpx.Request) -> httpx.Response:
@@ -137,11 +138,13 @@ def render_stage(model_dir: Path, answer: Any, native: StubNative | None = None)
             return result
         return httpx.Response(503)
 
-    sidecar = SidecarClient(RenderSettings(url="http://render.test", timeout_s=0.5),
+    sidecar = SidecarClient(RenderSettings(url="http://render.test", timeout_s=0.5, **render),
                             transport=httpx.MockTransport(handler))
-    catalog = ModelCatalog([ModelSettings(name=SERVED, path=str(model_dir))], sidecar)
+    catalog = ModelCatalog([ModelSettings(name=SERVED, path=str(model_dir), max_model_len=max_model_len)],
+                           sidecar)
     return RenderStage(sidecar, catalog, local=LocalTokenizers({SERVED: str(model_dir)}),
-                       native_route=native or StubNative())  # type: ignore[arg-type]
+                       native_route=native or StubNative(),  # type: ignore[arg-type]
+                       **({"clock": clock} if clock is not None else {}))
 
 
 def attempt(stage: RenderStage, body: dict[str, Any] | None = None) -> RequestContext:
@@ -209,3 +212,47 @@ def test_obfuscation_refuses_the_fallback(model_dir: Path) -> None:
         attempt(render_stage(model_dir, FALLBACKS["connect_error"],
                              StubNative(NativeRouteRefused("obfuscation forbids it"))))
     assert err.value.status == 503
+
+
+def test_render_circuit_skips_a_failing_render_then_probes_it_once(model_dir: Path) -> None:
+    """After three failed render calls in a row requests fall back at once (no render call, no
+    timeout to sit out); after the cooldown one request probes render and its success closes it."""
+    now = [0.0]
+    calls: list[int] = []
+    healthy = [False]
+
+    def answer(r: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if not healthy[0]:
+            return httpx.Response(500, text="boom")
+        return httpx.Response(200, json={"request_id": "r1", "token_ids": [1, 2, 3],
+                                         "sampling_params": {"max_tokens": 5}})
+
+    stage = render_stage(model_dir, answer, clock=lambda: now[0], max_model_len=MAX_MODEL_LEN,
+                         circuit_failures=3, circuit_cooldown_s=5.0)
+    for _ in range(3):
+        assert attempt(stage).tokenizer_source == "local"
+    assert len(calls) == 3 and stage.circuit.state == "open"
+    for _ in range(4):                       # open: fallback without asking render
+        assert attempt(stage).tokenizer_source == "local"
+    assert len(calls) == 3
+    now[0] = 5.0                             # cooldown over: one probe, still failing, re-opens
+    assert attempt(stage).tokenizer_source == "local" and len(calls) == 4
+    assert attempt(stage).tokenizer_source == "local" and len(calls) == 4
+    now[0] = 10.0
+    healthy[0] = True                        # render is back: the probe closes the circuit
+    assert attempt(stage).tokenizer_source == "render" and len(calls) == 5
+    assert stage.circuit.state == "closed"
+    assert attempt(stage).tokenizer_source == "render" and len(calls) == 6
+
+
+def test_render_client_errors_keep_the_render_circuit_closed(model_dir: Path) -> None:
+    def answer(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "bad role", "type": "BadRequestError",
+                                                   "param": "messages", "code": 400}})
+
+    stage = render_stage(model_dir, answer, circuit_failures=1)
+    for _ in range(3):
+        with pytest.raises(UpstreamClientError):
+            attempt(stage)
+    assert stage.circuit.state == "closed"

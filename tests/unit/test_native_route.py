@@ -20,9 +20,15 @@ from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.registry import EngineRegistry
-from coordinator.pipeline.errors import TokenRouteMissing, UpstreamClientError, UpstreamUnavailable
+from coordinator.pipeline.errors import (
+    EngineBusy,
+    TokenRouteMissing,
+    UpstreamClientError,
+    UpstreamUnavailable,
+)
 from coordinator.pipeline.native_route import NativeRoute, NativeRouteRefused
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
+from coordinator.pipeline.topology.attempts import Attempts
 
 MODEL = "m"
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -39,8 +45,8 @@ def route(cfg: Settings, handler: Handler, obfuscated: bool = False) -> tuple[Na
     scheduler = Scheduler(registry, build_profile(cfg.scheduling, ledger.engine_room, None), index=None,
                           block_size=16, learn=False, topology=cfg.topology)
     client = NativeClient(cfg.engine_client, transport=httpx.MockTransport(handler))
-    return NativeRoute(client, registry, scheduler, admission, cfg.resilience,
-                       obfuscated=lambda: obfuscated), registry
+    attempts = Attempts(registry, scheduler, admission, cfg.resilience)
+    return NativeRoute(client, registry, attempts, obfuscated=lambda: obfuscated), registry
 
 
 def ctx(stream: bool = False) -> RequestContext:
@@ -138,6 +144,53 @@ def test_engine_failure_is_retried_on_another_native_engine_and_fed_to_its_break
     assert b is not None and b.breaker.state == "open" and held(registry) == 0
 
 
+def test_native_route_retries_a_busy_engine_elsewhere_without_opening_its_breaker() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b":
+            return httpx.Response(429, json={"error": {"message": "busy", "type": "RateLimitError",
+                                                       "param": None, "code": 429}})
+        return openai_answer(request)
+
+    cfg = settings(EngineSettings(url="http://b", native_api=True), EngineSettings(url="http://c", native_api=True))
+    cfg.resilience.breaker_failures = 1
+    r, registry = route(cfg, handler)
+    for _ in range(2):
+        assert asyncio.run(r.complete(ctx()))["id"] == "chatcmpl-abc"
+    b = registry.get("http://b")
+    assert b is not None and b.breaker.state == "closed" and held(registry) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_route_stops_retrying_once_engines_died_under_the_request(stream: bool) -> None:
+    """The token path's bound (resilience.retries_after_engine_death) holds here too: a request whose
+    engines die one after the other (a request that kills engines) is not retried through the fleet."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(503)  # gone
+        calls.append(request.url.host)
+        return httpx.Response(502, text="engine core died")
+
+    cfg = settings(*(EngineSettings(url=f"http://{h}", native_api=True) for h in "bcde"))
+    cfg.resilience.retries = 5
+    cfg.resilience.retries_after_engine_death = 1
+    cfg.resilience.backoff_initial_s = 0.001
+    cfg.resilience.backoff_max_s = 0.001
+    r, registry = route(cfg, handler)
+
+    async def go() -> None:
+        if stream:
+            await r.open_stream(ctx(stream=True))
+        else:
+            await r.complete(ctx())
+
+    with pytest.raises(UpstreamUnavailable):
+        asyncio.run(go())
+    assert len(calls) == 2 and len(set(calls)) == 2  # one death retried, the second ends it
+    assert held(registry) == 0
+
+
 def test_a_client_error_is_returned_and_does_not_count_against_the_engine() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(400, json={"error": {"message": "too long", "type": "BadRequestError",
@@ -193,6 +246,9 @@ def test_responses_and_messages_are_404_with_an_openai_body() -> None:
     (404, {"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "param": None,
                      "code": 404}}, UpstreamClientError),
     (500, None, UpstreamUnavailable),
+    (429, {"error": {"message": "busy", "type": "RateLimitError", "param": None, "code": 429}}, EngineBusy),
+    (503, {"error": {"message": "busy", "type": "ServiceUnavailableError", "param": None, "code": 503}},
+     EngineBusy),
 ])
 def test_what_an_engine_status_means_for_the_token_route(status: int, body: Any, expected: type) -> None:
     """Only a missing route (bare 404, 501, vLLM's 'scale-out disabled' 403) may send a request to the

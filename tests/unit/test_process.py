@@ -162,6 +162,24 @@ def test_wait_http_ready_fails_fast_with_child_output() -> None:
     assert "exited with code 3" in str(info.value)
 
 
+def test_exit_error_names_the_first_error_not_only_the_tail() -> None:
+    """vLLM prints the EngineCore's own error first and a long API-server traceback after it."""
+    code = (
+        "import sys\n"
+        "print('(EngineCore pid=7) ERROR Available memory on node 0 is less than requested for kv')\n"
+        "for i in range(80): print(f'  File \"core_client.py\", line {i}, in __init__')\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+        "sys.exit(1)\n"
+    )
+    with ManagedProcess(_child(code), name="engine", echo=False) as p:
+        with pytest.raises(ProcessExitedError) as info:
+            p.wait_http_ready(f"http://127.0.0.1:{_free_port()}/health", timeout=60)
+    message = str(info.value)
+    assert "Available memory on node 0 is less than requested" in message  # the root cause
+    assert "Engine core initialization failed" in message                  # and the tail
+    assert "memory available" in message
+
+
 def test_wait_http_ready_succeeds_when_server_answers(tmp_path: Path) -> None:
     port = _free_port()
     argv = [PY, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]

@@ -162,6 +162,68 @@ def test_decode_engine_prefills_itself_when_no_prefill_engine_is_healthy() -> No
     assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
 
 
+HYBRID = [*PD, {"url": "http://u0:8000", "role": "union"}]
+
+
+def _open(engine: Any) -> None:
+    for _ in range(5):
+        engine.breaker.record_failure()
+
+
+def path_count(metrics: Metrics, path: str) -> float | None:
+    return metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": path})
+
+
+@pytest.mark.parametrize("broken", ["decode", "prefill", "both"])
+def test_hybrid_fallback_runs_a_request_without_a_pd_pair_on_a_union_engine(broken: str) -> None:
+    sched, reg, _, metrics = make(HYBRID, pd_min=0)
+    for e in reg.engines:
+        if e.role == broken or (broken == "both" and e.role in ("prefill", "decode")):
+            _open(e)
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is None and placement.engine.url == "http://u0:8000"
+    assert path_count(metrics, "fallback_union") == 1
+
+
+def test_a_routable_pair_is_used_even_with_union_engines_in_the_pool() -> None:
+    sched, _reg, _, metrics = make(HYBRID, pd_min=0)
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is not None and path_count(metrics, "handoff") == 1
+
+
+def test_without_union_engines_a_prefill_engine_runs_it_alone_else_decode_prefills_locally() -> None:
+    sched, reg, _, metrics = make(PD, pd_min=0)
+    for e in reg.engines:
+        if e.role == "decode":
+            _open(e)
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is None and placement.engine.role == "prefill"
+    assert path_count(metrics, "fallback_prefill") == 1
+    sched, reg, _, metrics = make(PD, pd_min=0)
+    _open(reg.engines[0])                       # the prefill engine's breaker is open (probes say healthy)
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
+    assert path_count(metrics, "decode_only") == 1
+
+
+def test_an_engine_the_request_failed_on_counts_as_unroutable_for_its_retry() -> None:
+    sched, _reg, _, _m = make(HYBRID[:2] + HYBRID[3:], pd_min=0)   # p0, d0, u0
+    r = req(PROMPT)
+    r.exclude.add("http://d0:8000")             # the only decode engine failed this request
+    assert sched.has_other_engine(r)
+    placement = sched.place(r)
+    assert placement is not None and placement.engine.url == "http://u0:8000"
+
+
+def test_hybrid_fallback_off_keeps_the_request_waiting_for_its_pair() -> None:
+    sched, reg, _, _ = make(HYBRID, pd_min=0)
+    sched._topology = TopologySettings(pd_min_uncached_tokens=0, hybrid_fallback=False)
+    for e in reg.engines:
+        if e.role == "decode":
+            _open(e)
+    assert sched.place(req(PROMPT)) is None      # waits for a decode breaker's half-open trial
+
+
 def test_bounded_load_spreads_pinned_prefixes() -> None:
     """Affinity alone would send every request of one shared prefix to its first engine forever; the
     bounded-load picker caps any engine at max(1.25 x fair share, fair share + slack) of recent

@@ -783,3 +783,12 @@ def test_simulated_engine_starts_fast_and_stops_cleanly() -> None:
     eng.stop()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")
+
+
+def test_a_scripted_engine_continues_its_answer_after_a_relay() -> None:
+    from token_engine.simulator.output_model import script_resume_at
+
+    script = [50, 51, 52, 53, 2]
+    assert script_resume_at([1, 9, 198], script) == 0            # a fresh prompt: from the start
+    assert script_resume_at([1, 9, 198, 50, 51], script) == 2    # relayed after two tokens: the third next
+    assert script_resume_at([1, 9, 50, 51, 52, 53], script) == 4  # only EOS left

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.client import StreamMode
 from coordinator.pipeline.derender.fixups import eos_stop_reason
 from coordinator.pipeline.derender.shape import (
     role_chunk,
@@ -125,13 +126,14 @@ def test_eos_stop_reason_is_null_unless_the_client_asked_for_that_token() -> Non
 class _Derender:
     """Derender stand-in with a parser: tokens 0 are buffered markup (empty delta), others are text."""
 
-    parsers = True
-
     def __init__(self) -> None:
         self.states: list[Any] = []
 
+    async def mode(self) -> StreamMode:
+        return StreamMode(parsers=True, coalesce=False)
+
     async def stream_chunk(self, c: RequestContext, p: PromptPlan, chunk: dict[str, Any],
-                           state: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+                           state: dict[str, Any] | None, **_: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         self.states.append(state)
         ch = chunk["choices"][0]
         text = "".join(chr(t) for t in ch["token_ids"] if t) or None

@@ -55,6 +55,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     )
     p.add_argument("--eos-token-id", type=int, default=None)
     p.add_argument("--kv-role", choices=["prefill", "decode", "both"], default=None)
+    p.add_argument("--kv-connector", choices=["nixl", "layerwise"], default=None,
+                   help="layerwise: trigger P/D (the decode engine calls the metaserver URL)")
     p.add_argument("--engine-id", default=None, help="remote_engine_id in kv_transfer_params")
     p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_concurrency", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
@@ -90,6 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "script_tokens": args.script,
         "eos_token_id": args.eos_token_id,
         "kv_role": args.kv_role,
+        "kv_connector": args.kv_connector,
         "engine_id": args.engine_id,
         "max_concurrency": args.max_concurrency,
         "block_size": args.block_size,

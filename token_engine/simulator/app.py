@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from . import layerwise
 from .config import SimConfig
 from .engine import SimEngine, SimRequest
 from .errors import (
@@ -391,15 +392,16 @@ class SimServer:
 
     async def consume_transfer(self, raw: Request) -> JSONResponse:
         """`POST /sim/kv_transfer/consume {"remote_request_id": ...}`: a decode engine pulled the blocks."""
-        try:
-            body = await raw.json()
-        except json.JSONDecodeError as e:
-            raise HTTPException(status_code=400, detail=f"JSON decode error: {e}") from e
-        rid = body.get("remote_request_id") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise HTTPException(status_code=400, detail="Missing 'remote_request_id' in request body")
+        _, rid = await _id_body(raw, "remote_request_id")
         pinned = self.engine.transfers.consume(rid)
         return JSONResponse({"released": pinned is not None, "blocks": pinned.blocks if pinned else 0})
+
+    async def layerwise_done(self, raw: Request) -> JSONResponse:
+        """`POST /sim/kv_transfer/layerwise_done {"request_id", "status": "done"|"failed"}`: a trigger
+        prefill engine's done/failed-sending message (the stand-in for its ZMQ side channel)."""
+        body, rid = await _id_body(raw, "request_id")
+        waited = self.engine.layerwise.arrived(rid, body.get("status") == "done")
+        return JSONResponse({"waiting": waited})
 
     def close(self) -> None:
         """Stop the KV event publisher (frees its port); the HTTP side needs no cleanup."""
@@ -441,6 +443,13 @@ class SimServer:
             "pinned_transfers": eng.transfers.snapshot(),
             "kv_transfer_pinned_blocks": eng.transfers.pinned_blocks,
             "kv_transfer_released": dict(eng.transfers.released),
+            "layerwise": {
+                "waiting_for_kv": eng.layerwise.waiting,
+                "callbacks_sent": eng.layerwise.callbacks_sent,
+                "callbacks_failed": eng.layerwise.callbacks_failed,
+                "callback_statuses": list(eng.layerwise.callback_statuses),
+                "pushed": dict(eng.layerwise.pushed),
+            },
             "kv_events": None
             if self.kv_events is None
             else {
@@ -451,6 +460,18 @@ class SimServer:
                 "dropped": self.kv_events.dropped,
             },
         }
+
+
+async def _id_body(raw: Request, key: str) -> tuple[dict[str, Any], str]:
+    """A test-hook body carrying a request id under ``key`` (400 otherwise)."""
+    try:
+        body = await raw.json()
+    except json.JSONDecodeError as e:
+        raise HTTPException(status_code=400, detail=f"JSON decode error: {e}") from e
+    rid = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise HTTPException(status_code=400, detail=f"Missing '{key}' in request body")
+    return body, rid
 
 
 def build_app(config: SimConfig | None = None) -> FastAPI:
@@ -511,6 +532,8 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
 
     consume_handler: Callable[[Request], Awaitable[JSONResponse]] = server.consume_transfer
     app.add_api_route("/sim/kv_transfer/consume", consume_handler, methods=["POST"])
+    done_handler: Callable[[Request], Awaitable[JSONResponse]] = server.layerwise_done
+    app.add_api_route(layerwise.DONE_PATH, done_handler, methods=["POST"])
 
     @app.post("/sim/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

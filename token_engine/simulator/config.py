@@ -110,6 +110,10 @@ class SimConfig(BaseModel):
 
     # --- P/D (NixlConnector-shaped kv_transfer_params) ---
     kv_role: KvRole | None = None
+    kv_connector: Literal["nixl", "layerwise"] = "nixl"
+    """nixl: handoff P/D (the prefill leg returns `kv_transfer_params`, the decode leg pulls). layerwise:
+    trigger P/D as vLLM-Ascend's MooncakeLayerwiseConnector (the decode engine calls the request's
+    `metaserver` URL and waits for the prefill's KV; see layerwise.py)."""
     engine_id: str = "sim-engine-0"
     side_channel_host: str = "localhost"
     side_channel_port: int = 5600

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from .config import SimConfig
 from .errors import SimValidationError
 from .kv_transfer import PeerNotifier, TransferPins
+from .layerwise import LayerwiseConnector, callback_body, side_channel
 from .output_model import TokenSource, fake_logprob, make_source
 from .prefix_cache import EventSink, PrefixCache
 from .protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
@@ -85,6 +86,8 @@ class SimRequest:
     choices: list[ChoiceState] = field(default_factory=list)
     response_kv_transfer_params: dict[str, Any] | None = None
     peer_notified: bool = False
+    kv_pushed: bool = False
+    """Trigger prefill side: the done (or failed) message went to the decode engine."""
     abort_event: asyncio.Event = field(default_factory=asyncio.Event)
     _admitted: asyncio.Future[bool] | None = None
 
@@ -119,6 +122,7 @@ class SimEngine:
         )
         self.transfers = TransferPins(config.kv_lease_s)
         self.peer_notifier = PeerNotifier()
+        self.layerwise = LayerwiseConnector()
         self.stats = EngineStats()
         self._requests: dict[str, SimRequest] = {}
         self._by_external: dict[str, set[str]] = {}
@@ -225,6 +229,10 @@ class SimEngine:
             # A remote-prefill request that ends before it pulled (aborted while queued) still tells the
             # prefill side to free its blocks (NixlConnector request_finished with do_remote_prefill).
             self._notify_prefill_peer(req)
+            if self._is_trigger_prefill(req) and not req.kv_pushed:
+                # An aborted or failed prefill leg tells the waiting decode engine its KV is not coming.
+                req.kv_pushed = True
+                self.layerwise.push_soon(req.kv_transfer_params or {}, req.external_id, ok=False)
             self._release(req)
 
     async def _run(self, req: SimRequest) -> AsyncIterator[ChoiceDelta]:
@@ -244,7 +252,14 @@ class SimEngine:
         cached = self.prefix_cache.lookup(req.prompt, req.cache_salt)
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
-        if self._is_remote_prefill(req):
+        if self._is_trigger_decode(req):
+            loaded = await self._await_remote_kv(req, cached)
+            if loaded is None:
+                return
+            if loaded:  # the whole prompt arrived; as with NIXL only the last token is recomputed
+                uncached = min(uncached, 1)
+                req.num_cached_tokens = len(req.prompt)
+        elif self._is_remote_prefill(req):
             # NixlConnector loads every prompt token it does not have locally (local + external = the
             # whole prompt) and the scheduler recomputes only the last one.
             uncached = min(uncached, 1)
@@ -289,6 +304,10 @@ class SimEngine:
                 return
             if all(c.finished for c in req.choices):
                 self._maybe_kv_transfer_params(req)
+                if self._is_trigger_prefill(req):
+                    # Layer-wise: the KV went out during the forward pass; "done" before the answer.
+                    req.kv_pushed = True
+                    await self.layerwise.push(req.kv_transfer_params or {}, req.external_id, ok=True)
                 return
             if await self._sleep(req, cfg.decode_s_per_token):
                 return
@@ -391,6 +410,44 @@ class SimEngine:
             and all(p.get(k) is not None for k in needed)
         )
 
+    def _is_trigger_decode(self, req: SimRequest) -> bool:
+        p = req.kv_transfer_params or {}
+        return (self.config.kv_connector == "layerwise" and self.config.kv_role in ("decode", "both")
+                and bool(p.get("do_remote_prefill")) and isinstance(p.get("metaserver"), str))
+
+    def _is_trigger_prefill(self, req: SimRequest) -> bool:
+        p = req.kv_transfer_params or {}
+        return (self.config.kv_connector == "layerwise" and self.config.kv_role in ("prefill", "both")
+                and bool(p.get("do_remote_decode")) and p.get("remote_host") is not None)
+
+    async def _await_remote_kv(self, req: SimRequest, cached: int) -> bool | None:
+        """Trigger decode side: call the metaserver once, then wait for the prefill's KV. True: it
+        arrived; False: the prefill reported a failure (compute locally); None: aborted meanwhile."""
+        cfg = self.config
+        params = dict(req.kv_transfer_params or {})
+        url = str(params.pop("metaserver"))
+        params["do_remote_prefill"] = False  # the connector's own guard: one callback per request
+        req.kv_transfer_params = params
+        nblocks = max(1, math.ceil(len(req.prompt) / cfg.block_size))
+        host, port = side_channel(req.peer_url)
+        arrival = self.layerwise.expect(req.external_id)
+        body = callback_body(
+            request_id=req.external_id,
+            block_ids=[next(self._block_counter) % cfg.capacity_blocks for _ in range(nblocks)],
+            block_size=cfg.block_size, engine_id=cfg.engine_id, host=host, port=port,
+            tp_size=cfg.tp_size, cached_tokens=cached)
+        self.layerwise.call_metaserver(url, body)
+        aborted = asyncio.ensure_future(req.abort_event.wait())
+        waiting: set[asyncio.Future[Any]] = {arrival, aborted}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            self.layerwise.forget(req.external_id)
+        if req.abort_event.is_set() or not arrival.done() or arrival.cancelled():
+            return None
+        return arrival.result()
+
     def _notify_prefill_peer(self, req: SimRequest) -> None:
         """Decode side: tell the prefill simulator (if it advertised `sim_peer_url`) to free the blocks."""
         p = req.kv_transfer_params or {}
@@ -408,6 +465,8 @@ class SimEngine:
         p = req.kv_transfer_params or {}
         if self.config.kv_role not in ("prefill", "both") or not p.get("do_remote_decode"):
             return
+        if self.config.kv_connector == "layerwise":
+            return  # request_finished returns (False, None): no params, nothing pinned (A9)
         if any(c.finish_reason not in ("stop", "length") for c in req.choices):
             return
         generated = max(len(c.tokens) for c in req.choices)

@@ -183,6 +183,17 @@ def echo_source_tokens(prompt: Sequence[int], config: SimConfig) -> list[int]:
     return src or [config.echo_fallback_token_id]
 
 
+def script_resume_at(prompt: Sequence[int], script: Sequence[int]) -> int:
+    """Where a scripted answer goes on: after the longest start of the script that ends the prompt.
+
+    A relayed stream's prompt is the original prompt plus the tokens already sent, so a scripted
+    engine continues the answer like a greedy model would instead of starting it again."""
+    for k in range(min(len(prompt), len(script) - 1), 0, -1):
+        if list(prompt[-k:]) == list(script[:k]):
+            return k
+    return 0
+
+
 def make_source(
     config: SimConfig,
     prompt: Sequence[int],
@@ -201,7 +212,8 @@ def make_source(
         tokens = list(script) if script is not None else list(config.script_tokens)
         if eos is not None:
             tokens.append(eos)
-        return _CycleSource(tokens, 0, None, None, config.echo_fallback_token_id)
+        start = script_resume_at(prompt, tokens)
+        return _CycleSource(tokens, start, None, None, config.echo_fallback_token_id)
     if config.mode == "echo":
         src = echo_source_tokens(prompt, config)
         return _CycleSource(src, shift, eos, config.echo_max_cycles, config.echo_fallback_token_id)

@@ -1,12 +1,14 @@
 """Thin NNRP routes: the WebSocket at ``/nnrp/v1`` runs a ``Session``; ``GET /nnrp/v1/capabilities``.
 
-The manifest is derived once from the running configuration: tool-call deltas are declared only when
-the render sidecar runs parsers, since without one the engine's output is never split into calls.
+The manifest is derived from the running configuration: tool-call deltas are declared only when the
+render sidecars run parsers (as learned from them, docs/parsers.md), since without one the engine's
+output is never split into calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
@@ -25,8 +27,8 @@ from coordinator.pipeline.errors import PipelineError
 PATH = "/nnrp/v1"
 
 
-def serving_manifest(settings: Settings) -> Manifest:
-    return build_manifest(ServingCapabilities(tool_calls=settings.render.parsers))
+def serving_manifest(parsers: bool) -> Manifest:
+    return build_manifest(ServingCapabilities(tool_calls=parsers))
 
 
 class WebSocketTransport:
@@ -60,17 +62,20 @@ class WebSocketTransport:
 
 
 def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
-                      observer: Observer | None = None, drain: Drain | None = None) -> APIRouter:
+                      observer: Observer | None = None, drain: Drain | None = None,
+                      parsers: Callable[[], bool] | None = None) -> APIRouter:
     """``observer``: where each operation's observation record goes (the pipeline's); ``drain``: the
-    server's shutdown state, which ends sessions with 1001 once their operations are done."""
+    server's shutdown state, which ends sessions with 1001 once their operations are done;
+    ``parsers``: whether the sidecars run parsers now (default: ``render.parsers``)."""
     router = APIRouter()
-    manifest = serving_manifest(settings)
-    doc = manifest.to_dict()
+    manifests = {flag: serving_manifest(flag) for flag in (False, True)}
+    def current() -> Manifest:
+        return manifests[parsers() if parsers is not None else bool(settings.render.parsers)]
 
     @router.websocket(PATH)
     async def session(ws: WebSocket) -> None:
         await ws.accept()
-        s = Session(WebSocketTransport(ws), runner, settings.nnrp, manifest, auth,
+        s = Session(WebSocketTransport(ws), runner, settings.nnrp, current(), auth,
                     authorization=ws.headers.get("authorization"), observer=observer,
                     connection_id=peer(ws.client))
         with drain.hold(s) if drain is not None else contextlib.nullcontext():
@@ -82,6 +87,6 @@ def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
             auth(request.headers.get("authorization"))
         except PipelineError as exc:
             return error_response(exc)
-        return JSONResponse(doc)
+        return JSONResponse(current().to_dict())
 
     return router

@@ -76,6 +76,16 @@ class Reservation:
         """Tokens still held on ``engine`` (0 once released, or if it is not part of this request)."""
         return self._shares.get(engine, 0)
 
+    def add_engine(self, engine: Engine, tokens: int) -> None:
+        """A share on one more engine, after admission: a trigger pair's prefill engine is chosen only
+        when its decode engine calls back. The global share is unchanged (one request, counted once);
+        nothing is added once the reservation was released."""
+        if self.released or engine in self._shares:
+            return
+        self._shares[engine] = tokens
+        engine.inflight_tokens += tokens
+        engine.inflight_requests += 1
+
     def release_engine(self, engine: Engine) -> bool:
         """Give ``engine``'s share back early (e.g. the prefill leg finished); True if anything was
         held there. Releasing the last engine share also returns the global share."""

@@ -44,7 +44,7 @@ Place = Callable[[SchedRequest], Placement | None]
 PrefillTokens = Callable[[Placement], int]
 
 
-def _no_prefill(placement: Placement) -> int:
+def no_prefill(placement: Placement) -> int:
     return 0
 
 
@@ -65,6 +65,10 @@ class Grant:
     @property
     def released(self) -> bool:
         return self.reservation.released
+
+    def add_engine(self, engine: Engine, tokens: int) -> None:
+        """Hold ``tokens`` on one more engine (a trigger pair's prefill engine, see Reservation)."""
+        self.reservation.add_engine(engine, tokens)
 
     def release_engine(self, engine: Engine) -> None:
         """Give one engine's share back early (the prefill leg of a P/D handoff finished)."""
@@ -119,7 +123,7 @@ class AdmissionController:
 
     # -- admission --------------------------------------------------------------------------------
     async def admit(self, req: SchedRequest, place: Place, *,
-                    prefill_tokens: PrefillTokens = _no_prefill) -> Grant:
+                    prefill_tokens: PrefillTokens = no_prefill) -> Grant:
         """Reserve engines for ``req``, waiting for room if need be.
 
         ``place`` is the scheduler: a Placement among engines with room, None when eligible engines

@@ -22,12 +22,15 @@ from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
+    BUSY_STATUSES,
+    EngineBusy,
     TokenRouteMissing,
     UpstreamClientError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from coordinator.pipeline.http_lanes import Lanes, shared_ssl_context
+from coordinator.pipeline.obfuscation import Obfuscator
 
 log = logging.getLogger(__name__)
 # msgspec: one decode per engine chunk is the hot path (several times faster than json.loads).
@@ -56,6 +59,8 @@ class EngineUnreachable(UpstreamUnavailable):
 
 
 class EngineClient:
+    obfuscator: Obfuscator | None = None  # set by ObfuscatingEngineClient: the ids engines see differ
+
     def __init__(self, settings: EngineClientSettings) -> None:
         self.settings = settings
         timeout = httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s)
@@ -218,7 +223,9 @@ def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
         # A plain `vllm serve` (no --enable-scale-out) refuses the token route with this 403: the
         # engine is healthy, the route is missing, not the client's fault.
         raise TokenRouteMissing(f"engine {engine.url} has the scale-out routes disabled (HTTP 403)")
-    if (400 <= status < 500 and status != 404) or status == 503:
+    if status in BUSY_STATUSES:
+        raise EngineBusy(status, data, f"engine {engine.url} is busy (HTTP {status})")
+    if 400 <= status < 500 and status != 404:
         raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
     if status == 404 and isinstance(data, dict) and isinstance(data.get("error"), dict):
         raise UpstreamClientError(status, data, "engine does not serve this model")

@@ -70,6 +70,7 @@ class DnsDiscovery:
                 url=f"{s.scheme}://{host}:{s.port}",
                 role=s.role,
                 model=s.model,
+                pd_protocol=s.pd_protocol,
                 kv_events=f"tcp://{host}:{s.kv_events_port}" if s.kv_events_port is not None else None,
                 kv_events_replay=(f"tcp://{host}:{s.kv_events_replay_port}"
                                   if s.kv_events_replay_port is not None else None),

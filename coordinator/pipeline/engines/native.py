@@ -22,7 +22,14 @@ from httpx_sse import EventSource
 from coordinator.config import EngineClientSettings
 from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable, call_headers
 from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.errors import (
+    BUSY_STATUSES,
+    EngineBusy,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode
@@ -40,7 +47,8 @@ class NativeClient:
         self.settings = settings
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections), transport=transport)
+            limits=httpx.Limits(max_connections=settings.max_connections,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S), transport=transport)
         self.open_streams = 0  # engine responses currently held open (a leak shows here)
 
     async def aclose(self) -> None:
@@ -129,12 +137,15 @@ def _send_failed(engine: Engine, exc: httpx.HTTPError) -> UpstreamUnavailable | 
 
 
 def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
-    """4xx with an OpenAI error body (and 503: the engine's own admission) is the client's answer;
-    a bare 4xx (a route the engine lacks) and 5xx are the engine's failure."""
+    """A busy answer with a body (408/425/429/503: the engine's own admission) may go to another
+    engine, else it is the client's answer; another 4xx with an OpenAI error body is the client's
+    answer; a bare 4xx (a route the engine lacks) and 5xx are the engine's failure."""
     if status == 200:
         return
     has_body = isinstance(data, dict) and isinstance(data.get("error"), dict)
-    if (400 <= status < 500 or status == 503) and has_body:
+    if status in BUSY_STATUSES and has_body:
+        raise EngineBusy(status, data, f"engine {engine.url} is busy (HTTP {status})")
+    if 400 <= status < 500 and has_body:
         raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
     log.warning("engine %s answered HTTP %s on its OpenAI API", engine.url, status)
     raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status} on its OpenAI API")

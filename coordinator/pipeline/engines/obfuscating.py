@@ -71,6 +71,7 @@ class ObfuscatingEngineClient(EngineClient):
     def __init__(self, settings: EngineClientSettings, obfuscator: Obfuscator) -> None:
         super().__init__(settings)
         self.obfuscator = obfuscator
+        self._keys = obfuscator  # the same, typed as always set
 
     async def generate(self, engine: Engine, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         resp = await super().generate(engine, self._physical(body), request_id)
@@ -86,7 +87,7 @@ class ObfuscatingEngineClient(EngineClient):
         """A request id outside the permuted vocabulary, or a field the engine would interpret with its
         own (unobfuscated) tokenizer, is the client's problem: a 400, never an unmapped send."""
         try:
-            return request_to_physical(body, self.obfuscator)
+            return request_to_physical(body, self._keys)
         except UnmappableField as exc:
             raise BadRequest(str(exc), param=exc.field) from None
         except ObfuscationError as exc:
@@ -96,7 +97,7 @@ class ObfuscatingEngineClient(EngineClient):
         """An engine answering with an id outside the vocabulary serves another model (or another
         key's copy): an engine failure, not something to pass on."""
         try:
-            result: dict[str, Any] = convert(data, self.obfuscator)
+            result: dict[str, Any] = convert(data, self._keys)
         except ObfuscationError as exc:
             raise UpstreamUnavailable(f"engine {engine.url} answered with an unmappable token id: {exc}") \
                 from None

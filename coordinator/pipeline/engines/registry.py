@@ -18,7 +18,7 @@ from typing import Literal
 
 import httpx
 
-from coordinator.config import EngineRole, EngineSettings, Settings
+from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
@@ -51,6 +51,8 @@ class Engine:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     native_api: bool = False         # also serves the OpenAI API (the native route may use it)
+    max_model_len: int | None = None  # configured when shorter than the model's
+    pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
@@ -122,6 +124,11 @@ class EngineRegistry:
         self.engines: list[Engine] = []
         self._apply(self._static)
 
+    @property
+    def settings(self) -> Settings:
+        """The configuration the registry was started with."""
+        return self._settings
+
     # ---- lookups --------------------------------------------------------------------------------
 
     def get(self, url: str) -> Engine | None:
@@ -130,6 +137,18 @@ class EngineRegistry:
     def candidates(self, model: str, role: EngineRole = "union") -> list[Engine]:
         """Engines that may take a new request for ``model`` now (budget is the scheduler's business)."""
         return [e for e in self.engines if e.available and e.role == role and e.serves(model)]
+
+    def pd_protocol(self, model: str) -> PdProtocol:
+        """The P/D protocol of ``model``'s prefill and decode engines (the config allows only one)."""
+        for e in self.engines:
+            if e.role != "union" and e.serves(model) and not e.removed:
+                return e.pd_protocol
+        return "handoff"
+
+    def max_model_lens(self, model: str) -> list[int]:
+        """The configured context lengths of the engines that may run ``model`` (not removed)."""
+        return [e.max_model_len for e in self.engines
+                if e.max_model_len is not None and e.serves(model) and not e.removed]
 
     def eligible(self, model: str, role: EngineRole = "union") -> list[Engine]:
         """Healthy engines for ``model`` whatever their breaker says: non-empty means "wait for capacity
@@ -193,7 +212,8 @@ class EngineRegistry:
                                 CircuitBreaker(self._settings.resilience.breaker_failures,
                                                self._settings.resilience.breaker_cooldown_s, self._clock),
                                 kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
-                                drain_requested=s.drain, native_api=s.native_api)
+                                drain_requested=s.drain, native_api=s.native_api,
+                                max_model_len=s.max_model_len, pd_protocol=s.pd_protocol)
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -206,6 +226,8 @@ class EngineRegistry:
             engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
             engine.kv_events_replay = s.kv_events_replay
             engine.native_api = s.native_api
+            engine.max_model_len = s.max_model_len
+            engine.pd_protocol = s.pd_protocol
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain

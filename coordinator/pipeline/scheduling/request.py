@@ -37,8 +37,9 @@ class Placement:
     """Engines chosen for one request and the tokens reserved on each (two for a P/D handoff)."""
 
     engine: Engine                 # the engine that decodes (and prefills, in union)
-    prefill: Engine | None = None  # a P/D handoff's prefill engine
+    prefill: Engine | None = None  # a P/D handoff's prefill engine (trigger: set once the decode calls back)
     matched_tokens: int = 0        # prompt tokens ``engine`` already holds, per the prefix index
+    trigger: bool = False          # a trigger P/D pair: decode first, prefill chosen at its callback
 
     @property
     def engines(self) -> list[Engine]:

@@ -31,6 +31,11 @@ PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
 }
 
 
+# The hybrid fallback's order, each with its coordinator_pd_decisions path (docs/scheduling.md).
+_FALLBACKS: tuple[tuple[EngineRole, str], ...] = (
+    ("union", "fallback_union"), ("prefill", "fallback_prefill"), ("decode", "decode_only"))
+
+
 class NoOtherEngine(NoHealthyEngine):
     """Every eligible engine was already tried by this request (retries stop here)."""
 
@@ -80,7 +85,7 @@ class Scheduler:
         self.index = index
         self.pending = pending
         self._block_size = block_size
-        self._learn = learn and index is not None
+        self._learns = learn and index is not None
         self._topology = topology
         self._metrics = metrics
         self._scores_prefix = any(scorer.name == "prefix" for scorer, _ in profile.scorers)
@@ -105,12 +110,23 @@ class Scheduler:
             engine = self._choose(data, "union", req.cost_tokens)
             return None if engine is None else self._commit(data, Placement(engine, None,
                                                                             data.matched_tokens(engine)))
+        if self._topology.hybrid_fallback:
+            applies, fallback = self._hybrid(data)
+            if applies:
+                return fallback
         decode = self._choose(data, "decode", req.cost_tokens)
         if decode is None:
             return None
         local = Placement(decode, None, data.matched_tokens(decode))
         if req.prompt_tokens - local.matched_tokens < self._topology.pd_min_uncached_tokens:
             return self._commit(data, local, path="decode_only")
+        if self._registry.pd_protocol(req.model) == "trigger":
+            # Decode first; the prefill engine is chosen when the decode engine calls back
+            # (place_prefill). With no prefill engine at all the decode engine prefills locally.
+            if not self._eligible(req.model, "prefill"):
+                return self._commit(data, local, path="decode_only")
+            local.trigger = True
+            return self._commit(data, local, path="trigger")
         try:
             prefill = self._choose(data, "prefill", req.prompt_tokens + 1)
         except NoHealthyEngine:
@@ -120,10 +136,35 @@ class Scheduler:
             return None
         return self._commit(data, Placement(decode, prefill, local.matched_tokens), path="handoff")
 
+    def place_prefill(self, req: SchedRequest) -> Engine:
+        """Trigger: the prefill engine for ``req``, chosen when its decode engine calls back. Among
+        those with room as usual; when every one is full, the least loaded one anyway: the decode
+        engine already holds the request's KV blocks, and waiting here would only hold them longer.
+        Raises ``NoHealthyEngine`` when no prefill engine can take it."""
+        self._prepare(req)
+        matched, continuing = self._lookup(req.block_hashes)
+        data = ScoringInput(req, matched, self._block_size, continuing)
+        tokens = req.prompt_tokens + 1
+        engine = self._choose(data, "prefill", tokens)
+        if engine is None:
+            pool = [e for e in self._eligible(req.model, "prefill")
+                    if e.url not in req.exclude and e.breaker.available()]
+            if not pool:
+                raise NoHealthyEngine(f"No prefill engine can take a request for {req.model!r} right now")
+            engine = min(pool, key=lambda e: e.inflight_tokens)
+        engine.breaker.on_pick()
+        self._learn(engine, req)
+        return engine
+
     def has_other_engine(self, req: SchedRequest) -> bool:
-        """Whether a retry has somewhere to go (an eligible engine this request has not failed on)."""
-        role: EngineRole = "decode" if self.uses_handoff(req.model) else "union"
-        return any(e.url not in req.exclude for e in self._eligible(req.model, role))
+        """Whether a retry has somewhere to go (an eligible engine this request has not failed on).
+        With the hybrid fallback a P/D request may also go to a union or a prefill engine."""
+        handoff = self.uses_handoff(req.model) and not req.native_api  # the native route is union only
+        roles: tuple[EngineRole, ...] = ("union",)
+        if handoff:
+            roles = ("decode", "union", "prefill") if self._topology.hybrid_fallback else ("decode",)
+        return any(e.url not in req.exclude and (e.native_api or not req.native_api)
+                   for role in roles for e in self._eligible(req.model, role))
 
     def forget(self, engine_url: str) -> None:
         for index in (self.index, self.pending):
@@ -131,6 +172,32 @@ class Scheduler:
                 index.clear(engine_url)
 
     # -- stages ---------------------------------------------------------------------------------
+    def _hybrid(self, data: ScoringInput) -> tuple[bool, Placement | None]:
+        """The hybrid fallback (docs/scheduling.md) when no P/D pair can take the request: a role has no
+        engine that is healthy, not refused by its breaker and not already failed by this request.
+        Then a union engine runs it, else a prefill engine alone, else (prefill missing) the decode
+        engine prefills locally. Returns (whether the fallback applies, its placement or None to wait
+        for capacity); when it does not apply (a pair is routable, or nothing is) the usual rule does."""
+        req = data.req
+        routable: dict[EngineRole, bool] = {role: self._routable(req, role) for role in ("decode", "prefill")}
+        if all(routable.values()):
+            return False, None
+        routable["union"] = self._routable(req, "union")
+        for role, path in _FALLBACKS:
+            if routable[role]:
+                engine = self._choose(data, role, req.cost_tokens)
+                if engine is None:
+                    return True, None  # routable but full right now: wait for it
+                placement = Placement(engine, None, data.matched_tokens(engine))
+                return True, self._commit(data, placement, path=path)
+        return False, None
+
+    def _routable(self, req: SchedRequest, role: EngineRole) -> bool:
+        """Probe-healthy: a fleet whose decode engines all look down goes to a healthy union engine
+        before panic routing to them is considered."""
+        return any(e.url not in req.exclude and e.breaker.available()
+                   for e in self._registry.eligible(req.model, role))
+
     def _prepare(self, req: SchedRequest) -> None:
         if (self.index is not None or self.pending is not None) and req.block_hashes is None:
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
@@ -197,6 +264,14 @@ class Scheduler:
                     continuing.add(url)
         return matched, frozenset(continuing)
 
+    def _learn(self, engine: Engine, req: SchedRequest) -> None:
+        """The decision feeds the prefix index (approximate source) and the pending layer."""
+        if req.block_hashes:
+            if self._learns and self.index is not None:
+                self.index.add(engine.url, req.block_hashes)
+            if self.pending is not None:
+                self.pending.add(engine.url, req.block_hashes)
+
     def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
         req = data.req
         m = self._metrics
@@ -206,11 +281,7 @@ class Scheduler:
             e.breaker.on_pick()
             if m is not None and not e.healthy:
                 m.panic_decisions.labels(e.role).inc()
-            if req.block_hashes:
-                if self._learn and self.index is not None:
-                    self.index.add(e.url, req.block_hashes)
-                if self.pending is not None:
-                    self.pending.add(e.url, req.block_hashes)
+            self._learn(e, req)
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
             m.handoffs.labels(path).inc()

@@ -41,7 +41,7 @@ from coordinator.pipeline.scheduling.request import SchedRequest
 if TYPE_CHECKING:
     from coordinator.observability.tracing import Leg
     from coordinator.pipeline.admission.controller import Grant
-    from coordinator.pipeline.topology.dispatcher import Dispatcher
+    from coordinator.pipeline.topology.attempts import Attempts, Opener
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ def replay_generate(plan: PromptPlan, ledger: list[int]) -> dict[str, Any]:
 class EngineStream:
     """A prompt's engine stream that survives engine failures (see the module docstring)."""
 
-    def __init__(self, dispatcher: Dispatcher, ctx: RequestContext, plan: PromptPlan) -> None:
-        self._d = dispatcher
+    def __init__(self, attempts: Attempts, topology: Opener, ctx: RequestContext, plan: PromptPlan) -> None:
+        self._a = attempts
+        self._t = topology
         self._ctx = ctx
         self._plan = plan
         self._single = len(ctx.prompts) <= 1 and plan.n == 1
@@ -97,7 +98,7 @@ class EngineStream:
         self.relays = 0
         self._attempts = 0
         self._current: Attempt | None = None
-        self._req = dispatcher.sched_request(ctx, plan, plan.generate)
+        self._req = topology.sched_request(ctx, plan, plan.generate)
         self._closed = False
 
     @property
@@ -110,10 +111,10 @@ class EngineStream:
 
     async def _open(self, generate: dict[str, Any], req: SchedRequest) -> Attempt:
         opened: Attempt | None = None
-        async for attempt in self._d.retrying(req):
+        async for attempt in self._a.retrying(req):
             with attempt:
                 self._attempts += 1
-                grant, stack, chunks, leg = await self._d.open_attempt(self._ctx, generate, req)
+                grant, stack, chunks, leg = await self._t.open_attempt(self._ctx, generate, req)
                 opened = Attempt(self._attempts, grant, stack, chunks, req, leg)
         assert opened is not None
         return opened
@@ -164,7 +165,7 @@ class EngineStream:
         return len(self._finished) >= self._plan.n
 
     def _may_relay(self, exc: BaseException, attempt: Attempt) -> bool:
-        r = self._d.resilience
+        r = self._a.resilience
         why = None
         if self.relays >= r.max_relays:
             why = f"resilience.max_relays ({r.max_relays}) reached"
@@ -172,7 +173,7 @@ class EngineStream:
             why = "multi-prompt and n>1 streams are retried only before their first visible chunk"
         elif self._req.engine_deaths > r.retries_after_engine_death:
             why = f"{self._req.engine_deaths} engines died while running it"
-        elif not self._d.has_other_engine(self._req):
+        elif not self._a.has_other_engine(self._req):
             why = "no other healthy engine"
         elif self._plan.max_tokens - len(self.ledger) < 1:
             why = "no output budget left"
@@ -189,10 +190,10 @@ class EngineStream:
             generate = replay_generate(self._plan, self.ledger)
         else:
             generate = self._plan.generate  # nothing handed out: a plain retry from the start
-        req = self._d.sched_request(self._ctx, self._plan, generate)
+        req = self._t.sched_request(self._ctx, self._plan, generate)
         req.exclude = self._req.exclude          # shared: every attempt avoids every failed engine
         req.engine_deaths = self._req.engine_deaths
-        self._d.count_relay()
+        self._a.count_relay()
         try:
             attempt = await self._open(generate, req)
         except BaseException as reopen:
@@ -230,10 +231,10 @@ class EngineStream:
         finally:
             try:
                 if exc is not None:
-                    self._d.attempt_failed(attempt.engine, exc, self._req)
-                    await self._d.count_death(attempt.grant, exc, self._req)
+                    self._a.failed(attempt.engine, exc, self._req)
+                    await self._a.count_death(attempt.grant, exc, self._req)
             finally:
-                self._d.release(attempt.grant)
+                self._a.release(attempt.grant)
 
     async def aclose(self) -> None:
         """Release the current attempt (closing its stream aborts the engine request)."""

@@ -1,14 +1,43 @@
-"""Engine request bodies for each leg of a topology.
+"""What a topology unit is (``Legs``), and the engine request bodies of union and handoff legs.
 
-Union sends the rendered GenerateRequest as is. Handoff (P/D) sends a prefill leg that computes the
-prompt's KV and stops after one token, then a decode leg that carries the ``kv_transfer_params`` the
-prefill engine returned (vLLM's P/D contract through ``/inference/v1/generate``).
+A topology unit runs the engine legs of one attempt on a placement the scheduler made: union and
+handoff (``handoff.py``), trigger (``trigger.py``). The scheduler's placement is the one rule that
+says which unit a request takes; ``Dispatcher`` admits, asks the unit, and cleans up. Union sends
+the rendered GenerateRequest as is. Handoff (P/D) sends a prefill leg that computes the prompt's KV
+and stops after one token, then a decode leg that carries the ``kv_transfer_params`` the prefill
+engine returned (vLLM's P/D contract through ``/inference/v1/generate``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from coordinator.observability.tracing import Leg
+    from coordinator.pipeline.admission.controller import Grant
+    from coordinator.pipeline.scheduling.request import SchedRequest
+
+
+class Legs(Protocol):
+    """One topology's legs of an attempt. What they open they register on ``stack`` (closing it
+    aborts what is unfinished); the caller admitted the grant and releases it."""
+
+    async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
+                     req: SchedRequest, rid: str, include_usage: bool
+                     ) -> tuple[AsyncIterator[dict[str, Any]], Leg | None]:
+        """Open the stream the client's chunks come from (an attempt is open once this returns)."""
+
+    async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
+                       req: SchedRequest, rid: str) -> dict[str, Any]:
+        """The whole non-streaming answer."""
+
+
+def phase(grant: Grant) -> str:
+    """The answering engine's role in this attempt, for events and spans."""
+    return "union" if grant.placement.prefill is None else "decode"
 
 
 def attempt_id(request_id: str, leg: str = "") -> str:
