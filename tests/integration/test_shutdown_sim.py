@@ -103,11 +103,19 @@ def test_deadline_ends_streams_and_requests_with_a_retryable_error_and_aborts_th
     assert c.pipeline.inflight == 0 and c.ledger.global_inflight == 0
     # Metrics tell the truth: two requests ended by the server with the 503 their clients got, and no
     # client left (the cut takes the client-gone path inside, but the client was still there).
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in c.metrics.registry.collect() for s in fam.samples}
-    by_status = {dict(k[1]).get("status"): v for k, v in samples.items() if k[0] == "coordinator_requests_total"}
-    assert by_status.get("503") == 2 and "499" not in by_status
-    assert not any(v for k, v in samples.items() if k[0] == "coordinator_client_disconnects_total")
+    # Each request's record is written as its handler ends, which may be just after its client read
+    # the 503: wait for both.
+    def samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in c.metrics.registry.collect() for s in fam.samples}
+
+    def by_status() -> dict[str | None, float]:
+        return {dict(k[1]).get("status"): v for k, v in samples().items()
+                if k[0] == "coordinator_requests_total"}
+
+    assert wait_until(lambda: by_status().get("503") == 2), by_status()
+    assert "499" not in by_status()
+    assert not any(v for k, v in samples().items() if k[0] == "coordinator_client_disconnects_total")
     assert wait_until(lambda: coord.stopped, timeout=15)
 
 

@@ -125,6 +125,69 @@ async def test_a_failed_answer_is_retried_once_on_another_sidecar(failure: str) 
     assert client.sidecars[0].skip_until == 0.0  # a failed answer is not a dead sidecar
 
 
+@pytest.mark.parametrize("failure", ["broken", "5xx", "refused"])
+async def test_a_lone_sidecar_gets_a_second_try_only_for_a_broken_connection(failure: str) -> None:
+    attempts: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(host(request))
+        if len(attempts) > 1:
+            return await ok(request)
+        if failure == "5xx":
+            return httpx.Response(500, text="Internal Server Error")
+        if failure == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+
+    client = pool(handler, urls=[URLS[0]])
+    if failure == "broken":
+        assert await served_by(client) == URLS[0] and attempts == [URLS[0], URLS[0]]
+    else:
+        with pytest.raises(UpstreamUnavailable):
+            await served_by(client)
+        assert attempts == [URLS[0]]
+
+
+async def test_the_keepalive_race_on_a_real_socket_costs_the_client_nothing() -> None:
+    """A real server that, like uvicorn at its keep-alive timeout, resets a pooled connection just as
+    the next call arrives on it: the call is answered from a fresh connection."""
+    import socket
+    import struct
+
+    served = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        calls_here = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            calls_here += 1
+            if calls_here == 2:  # the second call on one connection: reset it (RST, no answer)
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            served += 1
+            body = json.dumps({"served": served}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = SidecarClient(RenderSettings(url=f"http://127.0.0.1:{port}", max_connections=1))
+    try:
+        assert (await client.post("/v1/chat/completions/derender", {"x": 1}))["served"] == 1
+        assert (await client.post("/v1/chat/completions/derender", {"x": 2}))["served"] == 2
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_two_failures_surface_as_502_and_client_errors_or_timeouts_are_not_retried() -> None:
     attempts: list[str] = []
 
