@@ -58,8 +58,10 @@ def refused(url: str) -> bool:
     return False
 
 
-def wait_until(pred: Callable[[], object], timeout: float = 5.0) -> bool:
-    """Poll ``pred`` until it holds (state changes on other threads: engines, coordinator tasks)."""
+def wait_until(pred: Callable[[], object], timeout: float = 15.0) -> bool:
+    """Poll ``pred`` until it holds (state changes on other threads: engines, coordinator tasks).
+    The bound only ends a wait that will never succeed: a loaded CI machine can take seconds for
+    what takes milliseconds here, and a generous bound costs nothing when the state arrives."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():

@@ -132,6 +132,23 @@ async def test_coalescing_merges_chunks_that_pile_up_during_a_call() -> None:
     assert max(len(e["choices"][0]["text"]) for e in events if e["choices"]) <= 32
 
 
+async def test_the_finishing_token_gets_a_chunk_of_its_own_when_chunks_pile_up() -> None:
+    """Native's last chunk is what the last token makes (after a tool call: an empty delta with the
+    finish), so a merged call never carries the finish on text from the tokens before it."""
+    engine = FakeEngine({0: [65 + i % 26 for i in range(200)]})
+    der = SlowDerender()
+    s = StreamSession(ctx_for([plan(0)]), engine, der, queue_chunks=64,  # type: ignore[arg-type]
+                      coalescing=Coalescing(max_tokens_per_call=32, buffer_tokens=1000))
+    await s.open()
+    events = [e async for e in s.events() if e["choices"]]
+    await s.aclose()
+    assert len(der.states_seen) < 200, "chunks were merged"
+    *rest, last = events
+    assert last["choices"][0] == {"index": 0, "text": chr(65 + 199 % 26), "finish_reason": "length"}
+    assert all(e["choices"][0]["finish_reason"] is None for e in rest)
+    assert "".join(e["choices"][0]["text"] for e in events) == "".join(chr(65 + i % 26) for i in range(200))
+
+
 async def test_state_is_committed_only_after_successful_derender() -> None:
     engine = FakeEngine({0: [65, 66, 67, 68]})
     der = FakeDerender(fail_on_token=67)

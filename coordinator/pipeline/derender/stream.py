@@ -195,10 +195,11 @@ class PromptStream:
             for piece in split_tokens(group):
                 await self._one(*piece, emit, replayable=False)
             return
-        chunk, choice = merge_group(group) if len(group) > 1 else group[0]
-        if not await self._one(chunk, choice, emit, replayable=len(choice.get("token_ids") or []) > 1):
-            for piece in split_tokens(group):  # a stop string inside a merged call: token by token
-                await self._one(*piece, emit, replayable=False)
+        for part in finish_alone(group):
+            chunk, choice = merge_group(part) if len(part) > 1 else part[0]
+            if not await self._one(chunk, choice, emit, replayable=len(choice.get("token_ids") or []) > 1):
+                for piece in split_tokens(part):  # a stop string inside a merged call: token by token
+                    await self._one(*piece, emit, replayable=False)
 
     async def _open_roles(self, emit: Emit) -> None:
         """Native opens every chat choice with a role chunk once output starts; a choice's content
@@ -396,6 +397,20 @@ def split_tokens(group: list[Entry]) -> list[Entry]:
                     piece[key] = [value[j]]
             pieces.append(({**chunk, "choices": [piece]}, piece))
     return pieces
+
+
+def finish_alone(group: list[Entry]) -> list[list[Entry]]:
+    """A merged group that ends the choice, as (the tokens before the last) + (the last token).
+
+    Native's finishing chunk holds only what the last token makes: after a tool call's arguments it
+    is an empty delta with ``finish_reason: "tool_calls"``, not the arguments' tail with the finish
+    on it. Splitting the last token off costs one call per stream and keeps that boundary exact."""
+    if group[-1][1].get("finish_reason") is None:
+        return [group]
+    pieces = split_tokens(group)
+    if len(pieces) < 2:
+        return [group]
+    return [pieces[:-1], pieces[-1:]]
 
 
 
