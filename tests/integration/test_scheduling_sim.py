@@ -51,6 +51,19 @@ def released(coord: CoordinatorServer) -> bool:
             and all(e.inflight_tokens == 0 and e.inflight_requests == 0 for e in c.registry.engines))
 
 
+def held_report(coord: CoordinatorServer, sim: SimulatedEngine, seen: list[str]) -> str:
+    """What a failed "still held" assertion needs to be read: the lines the client got, the engine's
+    requests and the coordinator's request and relay counters."""
+    metrics = [line for line in httpx.get(f"{coord.url}/metrics").text.splitlines()
+               if line.startswith(("coordinator_requests_total", "coordinator_relay", "coordinator_engine_",
+                                   "coordinator_inflight", "coordinator_rejected"))]
+    state = sim.state()
+    engine = {k: state[k] for k in ("running", "waiting", "aborted", "completed", "errored", "generate_calls")}
+    history = [{k: h.get(k) for k in ("request_id", "stream", "sampling_params")} for h in state["history"]]
+    return "\n".join([f"client lines: {seen}", f"engine: {engine}", f"engine received: {history}",
+                      f"pipeline inflight: {coord.inflight}", *metrics])
+
+
 def queued(coord: CoordinatorServer, n: int) -> bool:
     return coord.components.admission.queue_length == n
 
@@ -197,16 +210,19 @@ def test_budget_is_released_on_every_exit_path(render_sidecar: Any, coordinator_
             assert sse_events(httpx.post(url, json=chat(stream=True), timeout=30))[-2]["error"]["code"] == 504
         elif path == "client_leaves_stream":
             # The engine stalls after a few tokens, so the stream is certainly open when the ledger
-            # is read; the client then leaves without reading on.
+            # is read; the client then leaves without reading on. ``lines`` stays referenced: a line
+            # iterator dropped mid-stream (a `for` over a temporary, a `next(genexp)`) is closed
+            # when collected, and that closes the response, which is this path's exit, too early.
             sim.set_faults(stall_after_tokens=4)
             with httpx.Client(timeout=30) as c, c.stream("POST", url, json=chat(max_tokens=400, stream=True)) as r:
                 seen: list[str] = []
-                for line in r.iter_lines():
+                lines = r.iter_lines()
+                for line in lines:
                     seen.append(line)
                     assert '"error"' not in line, seen
                     if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                         break  # a derendered token reached the client: the stream is live
-                assert coord.components.ledger.global_inflight > 0, (seen, sim.state()["running"])
+                assert coord.components.ledger.global_inflight > 0, held_report(coord, sim, seen)
         elif path == "client_leaves_json":
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url, json=chat(max_tokens=400), timeout=0.3)
