@@ -26,7 +26,16 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 import perf._report
-from perf import ab_native, capacity, derender_cost, docs, kv_affinity, overload, scheduler_latency
+from perf import (
+    ab_native,
+    capacity,
+    derender_cost,
+    docs,
+    kv_affinity,
+    overload,
+    scheduler_latency,
+    topologies,
+)
 
 SERVED = "smollm2-135m-instruct"
 
@@ -200,6 +209,22 @@ def test_capacity_quick(out_root: Path, stub_render: str, capsys: pytest.Capture
     assert plain["sidecar_cpu_s_per_1k_tokens"] is None      # a given sidecar: not ours to measure
     assert (out_root / "capacity" / "capacity.png").stat().st_size > 0
     assert (out_root / "capacity" / "last_line.json").exists()
+
+
+def test_topologies_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Union, handoff and trigger coordinators serve the same prompts: same texts, nothing failed or
+    held, and every trigger request went through one metaserver callback."""
+    topologies.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "topologies"
+    assert result["failed"] == 0 and result["held_after"] == 0 and result["texts_equal_union"] is True
+    figures = json.loads((out_root / "topologies" / "result.json").read_text())
+    runs = {r["topology"]: r for r in figures["runs"]}
+    assert set(runs) == {"union", "handoff", "trigger"}
+    assert all(r["output_tokens"] == 8 * 16 for r in runs.values())     # --quick: 8 prompts x 16 tokens
+    assert runs["trigger"]["trigger_callbacks"] == {'{status="200"}': 8.0}
+    assert result["trigger_ttft_vs_handoff"] > 0
+    assert (out_root / "topologies" / "topologies.png").stat().st_size > 0
 
 
 def test_derender_cost_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
