@@ -38,7 +38,7 @@ from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
-from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
+from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.topology.attempts import Attempts
@@ -131,13 +131,16 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     precise: PreciseIndexSource | None = None
     if prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
-                              metrics=metrics, learn=True,
+                              metrics=metrics, learn=True, defer=soon,
                               index=PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s))
     elif prefix.source == "precise":
-        index = PrefixIndex()  # fed by the engines' KV events; routing feeds only the pending layer
+        # Fed by the engines' KV events (the capacity only bounds what lost events could leave behind);
+        # routing feeds only the pending layer.
+        index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
-                              metrics=metrics, learn=False, index=index,
-                              pending=PrefixIndex(ttl_s=prefix.pending_ttl_s))
+                              metrics=metrics, learn=False, index=index, defer=soon,
+                              pending=PrefixIndex(capacity_blocks=prefix.capacity_blocks,
+                                                  ttl_s=prefix.pending_ttl_s))
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
                                      prefix.block_size)
     else:
@@ -258,6 +261,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         @app.get("/metrics")
         async def metrics() -> Response:
             c.registry.export_metrics()
+            c.scheduler.export_metrics()
             return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

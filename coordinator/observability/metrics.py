@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from coordinator.observability.record import Record
+    from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -83,6 +84,12 @@ class Metrics:
         self._query_tokens = self._hit_tokens = 0  # the counters' totals, for the ratio
         self.prefix_hit_ratio.set_function(
             lambda: self._hit_tokens / self._query_tokens if self._query_tokens else 0.0)
+        self.index_blocks = Gauge("coordinator_prefix_index_blocks", "Blocks the prefix index (or its "
+                                  "pending layer) holds per engine", ["index", "engine"], registry=r)
+        self.index_capacity = Gauge("coordinator_prefix_index_capacity_blocks", "The most blocks the index "
+                                    "keeps per engine (LRU; 0: unbounded)", ["index"], registry=r)
+        self.index_bytes = Gauge("coordinator_prefix_index_bytes", "Estimated memory of the whole index "
+                                 "(containers and hash objects)", ["index"], registry=r)
         self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
                                 ["path"], registry=r)
         self.trigger_callbacks = Counter("coordinator_trigger_callbacks", "Metaserver callbacks of "
@@ -126,6 +133,14 @@ class Metrics:
 
     def engine_abort(self, accepted: bool) -> None:
         self.engine_aborts.labels("accepted" if accepted else "refused").inc()
+
+    def prefix_index(self, name: str, index: PrefixIndex) -> None:
+        """The index's size now (at scrape time; engines that left keep no series)."""
+        self.index_blocks.clear()
+        for engine in index.engines():
+            self.index_blocks.labels(name, engine).set(index.blocks(engine))
+        self.index_capacity.labels(name).set(index.capacity_blocks or 0)
+        self.index_bytes.labels(name).set(index.approx_bytes())
 
     def prefix_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         """One routing decision: how much of the prompt the picked engine holds, per the index."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed, next_hash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 SEED = chain_seed("m")
@@ -59,15 +60,20 @@ def test_a_hole_in_the_chain_stops_the_match() -> None:
     assert idx.match(a) == {"e1": 1}
 
 
-def test_lru_capacity_evicts_oldest_blocks() -> None:
+def test_lru_capacity_evicts_oldest_blocks_tail_first() -> None:
+    """What an engine keeps of an old prompt is its leading run, which still matches: evicting the
+    head first (plain insertion order) would keep blocks no prompt can ever reach."""
     idx = PrefixIndex(capacity_blocks=4)
     a = block_hashes(list(range(64)), 16, SEED)           # 4 blocks
     b = block_hashes([3] * 32, 16, SEED)                  # 2 blocks
     idx.add("e1", a)
     idx.add("e1", b)
     assert idx.blocks("e1") == 4
-    assert idx.match(a) == {}                              # a's first two blocks were evicted
+    assert idx.match(a) == {"e1": 2}                       # a's last two blocks were evicted
     assert idx.match(b) == {"e1": 2}
+    idx.add("e1", a[:1])                                   # touching a's head keeps it over b's
+    idx.add("e1", block_hashes([4] * 48, 16, SEED))
+    assert idx.match(a) == {"e1": 1} and idx.match(b) == {}
 
 
 def test_ttl_forgets_unused_blocks() -> None:
@@ -93,3 +99,74 @@ def test_clear_and_remove_drop_ownership() -> None:
     idx.remove("e2", a)
     assert idx.match(a) == {}
     assert idx.blocks("e2") == 0
+
+
+def test_bulk_hashes_equal_the_block_by_block_chain() -> None:
+    """The one-pass hash is the chain ``next_hash`` defines, on random prompts and block sizes, and
+    continuing a chain from a block's hash and depth gives the same hashes as hashing it whole."""
+    rng = random.Random(5)
+    for _ in range(200):
+        bs = rng.choice([1, 2, 3, 7, 16, 32, 128])
+        ids = [rng.randrange(200_000) for _ in range(rng.randrange(0, 12 * bs))]
+        seed = chain_seed(rng.choice(["m", "m2"]), rng.choice([None, "salt"]))
+        ref, parent = [], seed
+        for depth in range(len(ids) // bs):
+            parent = next_hash(parent, depth, ids[depth * bs:(depth + 1) * bs])
+            ref.append(parent)
+        assert block_hashes(ids, bs, seed) == ref
+        if len(ref) > 2:
+            cut = rng.randrange(1, len(ref))
+            assert block_hashes(ids[cut * bs:], bs, ref[cut - 1], start=cut) == ref[cut:]
+
+
+def test_order_of_blocks_counts() -> None:
+    a, b = [1] * 16, [2] * 16
+    assert block_hashes(a + b, 16, SEED)[1] != block_hashes(b + a, 16, SEED)[1]
+
+
+def _walk(idx: PrefixIndex, hashes: list[int]) -> dict[str, int]:
+    """The definition ``match`` implements: per engine, the leading blocks it holds."""
+    out: dict[str, int] = {}
+    for engine in idx.engines():
+        held = idx._blocks[engine]
+        n = 0
+        while n < len(hashes) and hashes[n] in held:
+            n += 1
+        if n:
+            out[engine] = n
+    return out
+
+
+def test_galloping_match_equals_a_block_by_block_walk() -> None:
+    """Random conversations learned on random engines under a small capacity (so trimming runs all
+    the time): every engine keeps leading runs, and the O(log n) match finds exactly them."""
+    rng = random.Random(11)
+    idx = PrefixIndex(capacity_blocks=300)
+    engines = [f"e{i}" for i in range(6)]
+    systems = [[rng.randrange(1000) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
+    convs: list[list[int]] = []
+    for step in range(600):
+        if convs and rng.random() < 0.6:
+            base = rng.choice(convs)
+            prompt = base[:rng.randrange(len(base) + 1)] + [rng.randrange(1000) for _ in range(rng.randrange(200))]
+        else:
+            prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(400))]
+        convs.append(prompt)
+        hashes = block_hashes(prompt, 16, SEED)
+        assert idx.match(hashes) == _walk(idx, hashes), step
+        idx.add(rng.choice(engines), hashes)
+    assert all(0 < idx.blocks(e) <= 300 for e in engines)
+
+
+def test_only_blocks_new_to_the_index_mark_their_parent_continued() -> None:
+    idx = PrefixIndex()
+    a = block_hashes(list(range(64)), 16, SEED)
+    idx.add("e1", a[:2])
+    assert idx.continues(a[1]) and not idx.continues(a[0])
+    idx.add("e2", a)                 # a[2] is new: a[1] is now a branch point, a[3] a leaf
+    assert not idx.continues(a[1]) and idx.continues(a[3])
+    idx.remove("e2", a[2:])
+    assert idx.continues(a[1]) is False  # a flag: stays until the block itself goes
+    idx.clear("e1")
+    idx.remove("e2", a[:2])
+    assert idx.continues(a[1]) and idx.approx_bytes() > 0

@@ -311,3 +311,44 @@ def test_precise_source_counts_prefills_in_flight_until_events_confirm_them() ->
     now[0] = 11.0                                                           # never confirmed: forgotten
     later = sched.place(req([*PROMPT, 4, 5, 6]))
     assert later is not None and later.matched_tokens == 0
+
+
+def test_deferred_learning_places_the_kv_affinity_workload_exactly_as_learning_at_once() -> None:
+    """``perf.kv_affinity``'s conversations (8 tenants x 32 users x 8 turns) through two schedulers,
+    one learning inside ``place`` and one whose lessons wait 0-5 decisions before a batch applies
+    them (as ``soon`` on a busy event loop): the same engine for every request, the same index after."""
+    import random
+
+    from perf.kv_affinity import Workload, build_schedule
+
+    schedule = build_schedule(Workload(tenants=8, users=32, turns=8, system_tokens=1500, turn_min=100,
+                                       turn_max=200, think_s=1.6, ramp_s=6.0, seed=0))
+    queued: list[Any] = []
+    runs: dict[str, tuple[list[str], list[int], PrefixIndex]] = {}
+    for mode in ("at_once", "deferred"):
+        sched, _reg, index, _ = make(urls(4))
+        if mode == "deferred":
+            sched._defer = queued.append
+        rng = random.Random(3)
+        running: list[tuple[Any, int]] = []
+        picks: list[str] = []
+        matched: list[int] = []
+        for i, turn in enumerate(schedule):
+            if mode == "deferred" and queued and rng.random() < 0.4:
+                queued.pop()()
+            p = sched.place(SchedRequest(f"r{i}", MODEL, turn.prompt, 4))
+            assert p is not None
+            picks.append(p.engine.url)
+            matched.append(p.matched_tokens)
+            p.engine.inflight_tokens += len(turn.prompt)       # the engine is busy with it for a while
+            running.append((p.engine, len(turn.prompt)))
+            if len(running) > 12:
+                done, tokens = running.pop(0)
+                done.inflight_tokens -= tokens
+        while queued:
+            queued.pop()()
+        runs[mode] = (picks, matched, index)
+    (a_picks, a_matched, a_index), (d_picks, d_matched, d_index) = runs["at_once"], runs["deferred"]
+    assert d_picks == a_picks and d_matched == a_matched
+    assert sum(a_matched) > 0.5 * sum(len(t.prompt) for t in schedule)   # affinity did find prefixes
+    assert {u: d_index.blocks(u) for u in d_index.engines()} == {u: a_index.blocks(u) for u in a_index.engines()}

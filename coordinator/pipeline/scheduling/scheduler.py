@@ -6,7 +6,9 @@ budgets, so admission can call it from its wake-up loop without awaiting anythin
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
 from coordinator.pipeline.scheduling.filters import Filter, HasRoom, NotTried, QueueDepth
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer, Picker
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.hashing import BlockHash, block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 from coordinator.pipeline.scheduling.scorers import SCORERS, Scorer, ScoringInput
@@ -72,14 +74,37 @@ def build_profile(settings: SchedulingSettings, room: Callable[[Engine, int], bo
     return Profile(settings.policy, filters, scorers, picker)
 
 
+class _Differs:
+    """``bisect`` key: whether two chains differ at a depth (False up to their common prefix)."""
+
+    def __init__(self, a: Sequence[BlockHash], b: Sequence[BlockHash]) -> None:
+        self.a, self.b = a, b
+
+    def __call__(self, i: int) -> bool:
+        return self.a[i] != self.b[i]
+
+
+def soon(work: Callable[[], None]) -> None:
+    """Run ``work`` on the event loop's next turn, after the current request has gone on its way (at
+    once when no loop runs: scripts, benchmarks)."""
+    try:
+        asyncio.get_running_loop().call_soon(work)
+    except RuntimeError:
+        work()
+
+
 class Scheduler:
     def __init__(self, registry: EngineRegistry, profile: Profile, *, index: PrefixIndex | None,
                  block_size: int, learn: bool, topology: TopologySettings,
-                 metrics: Metrics | None = None, pending: PrefixIndex | None = None) -> None:
+                 metrics: Metrics | None = None, pending: PrefixIndex | None = None,
+                 defer: Callable[[Callable[[], None]], None] | None = None) -> None:
         """``learn``: routing decisions feed ``index`` (the approximate source). ``pending``: a short-TTL
         index that routing decisions feed while ``index`` is fed by the engines' KV events (the precise
         source): events arrive only once a prefill has stored its blocks, and a prefix being prefilled
-        right now must already attract its followers."""
+        right now must already attract its followers. ``defer``: how what decisions teach the index
+        is applied later, in one batch (e.g. ``soon``; None: at once, inside ``place``). A decision
+        only reads the index; until the batch runs, later decisions read the unapplied lessons
+        directly (``_lookup``), so they see what they would have seen without deferral."""
         self._registry = registry
         self.profile = profile
         self.index = index
@@ -90,6 +115,8 @@ class Scheduler:
         self._metrics = metrics
         self._scores_prefix = any(scorer.name == "prefix" for scorer, _ in profile.scorers)
         self._panic: set[tuple[str, EngineRole]] = set()  # (model, role) routed in panic right now
+        self._defer = defer
+        self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
 
     # -- public ---------------------------------------------------------------------------------
     def uses_handoff(self, model: str) -> bool:
@@ -167,9 +194,27 @@ class Scheduler:
                    for role in roles for e in self._eligible(req.model, role))
 
     def forget(self, engine_url: str) -> None:
+        self._unlearned = [(url, hashes) for url, hashes in self._unlearned if url != engine_url]
         for index in (self.index, self.pending):
             if index is not None:
                 index.clear(engine_url)
+
+    def flush_learning(self) -> None:
+        """Apply the decisions' lessons to the index (and the pending layer), oldest first."""
+        batch, self._unlearned = self._unlearned, []
+        for url, hashes in batch:
+            if self._learns and self.index is not None:
+                self.index.add(url, hashes)
+            if self.pending is not None:
+                self.pending.add(url, hashes)
+
+    def export_metrics(self) -> None:
+        """Size of the prefix index and its pending layer, for ``/metrics`` (called at scrape time)."""
+        if self._metrics is None:
+            return
+        for name, index in (("index", self.index), ("pending", self.pending)):
+            if index is not None:
+                self._metrics.prefix_index(name, index)
 
     # -- stages ---------------------------------------------------------------------------------
     def _hybrid(self, data: ScoringInput) -> tuple[bool, Placement | None]:
@@ -245,32 +290,55 @@ class Scheduler:
         return eligible
 
     def _lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
-        """Blocks each engine holds (the longer of the index and the pending layer), and the engines
-        where the request extends its own chain: its match ends at a leaf or covers the prompt."""
+        """Blocks each engine holds (the longest of the index, the pending layer and the lessons not
+        applied yet), and the engines where the request extends its own chain: its match ends at a
+        leaf or covers the prompt."""
         matched: dict[str, int] = {}
         continuing: set[str] = set()
         if not hashes:
             return matched, frozenset()
-        for index in (self.index, self.pending):
-            if index is None:
-                continue
+        indexes = [ix for ix in (self.index, self.pending) if ix is not None]
+        unlearned = self._unlearned
+        lands_in = [ix for ix in (self.index if self._learns else None, self.pending) if ix is not None]
+
+        def extends(n: int, shapes: Sequence[PrefixIndex]) -> bool:
+            """The match of ``n`` blocks covers the prompt or ends at a leaf: no block of ``shapes``
+            or about to be indexed continues its last one (chains are position-tagged, so only
+            depth ``n - 1`` of a lesson can hold it)."""
+            if n == len(hashes):
+                return True
+            h = hashes[n - 1]
+            return (all(ix.continues(h) for ix in shapes)
+                    and not any(len(c) > n and c[n - 1] == h for _, c in unlearned))
+
+        def note(url: str, n: int, shapes: Sequence[PrefixIndex]) -> None:
+            best = matched.get(url, 0)
+            if n > best:
+                matched[url] = n
+                continuing.discard(url)
+            if n >= best and extends(n, shapes):
+                continuing.add(url)
+
+        for index in indexes:
             for url, n in index.match(hashes).items():
-                extends = n == len(hashes) or index.continues(hashes[n - 1])
-                best = matched.get(url, 0)
-                if n > best:
-                    matched[url] = n
-                    continuing.discard(url)
-                if n >= best and extends:
-                    continuing.add(url)
+                note(url, n, (index,))
+        for url, chain in unlearned:
+            # Equal chained hashes at a depth mean equal prefixes up to it: bisect for the first
+            # difference.
+            n = bisect_left(range(min(len(chain), len(hashes))), True, key=_Differs(chain, hashes))
+            if n:
+                note(url, n, lands_in)
         return matched, frozenset(continuing)
 
     def _learn(self, engine: Engine, req: SchedRequest) -> None:
         """The decision feeds the prefix index (approximate source) and the pending layer."""
-        if req.block_hashes:
-            if self._learns and self.index is not None:
-                self.index.add(engine.url, req.block_hashes)
-            if self.pending is not None:
-                self.pending.add(engine.url, req.block_hashes)
+        if not req.block_hashes or not (self._learns or self.pending is not None):
+            return
+        self._unlearned.append((engine.url, req.block_hashes))
+        if self._defer is None:
+            self.flush_learning()
+        elif len(self._unlearned) == 1:
+            self._defer(self.flush_learning)
 
     def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
         req = data.req

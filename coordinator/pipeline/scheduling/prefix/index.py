@@ -2,26 +2,40 @@
 
 One structure serves both sources: the approximate source adds the blocks of every prompt it routes
 (bounded per engine by an LRU capacity and a TTL, because it never learns about evictions); the
-precise source mirrors the engines' own KV events (unbounded, evictions arrive as events).
+precise source mirrors the engines' own KV events (evictions arrive as events; the capacity is then
+only a safety bound against lost ones).
+
+Costs, because a 100k-token prompt is 6,250 blocks: ``match`` probes O(log n) blocks per engine
+group instead of walking every block; ``add`` does its per-block work in C (dict and set
+operations) and runs Python code only for blocks new to the engine or leaving it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice, repeat
 
 from coordinator.pipeline.scheduling.prefix.hashing import BlockHash
+
+_SET_BYTES = sys.getsizeof({"engine-a", "engine-b"})
+_INT_BYTES = sys.getsizeof(2**62)
 
 
 class PrefixIndex:
     def __init__(self, *, capacity_blocks: int | None = None, ttl_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._capacity = capacity_blocks
+        self.capacity_blocks = capacity_blocks
         self._ttl = ttl_s
         self._clock = clock
         self._owners: dict[BlockHash, set[str]] = {}
-        self._blocks: dict[str, OrderedDict[BlockHash, float]] = {}  # engine → block → last use
+        # engine → block → last use, in LRU order (a plain dict keeps insertion order; re-inserting
+        # moves a block to the end). A chain is inserted tail first, so a block always sits behind
+        # (is fresher than) its descendants: trimming and expiry take a chain's tail before its
+        # prefix, and what an engine keeps of a prompt is always a leading run that still matches.
+        self._blocks: dict[str, dict[BlockHash, float]] = {}
         # The chain's shape: blocks that some indexed block continues. A prompt whose match ends
         # where others branch off (a shared system prompt) is a *new* conversation; one whose match
         # ends at a leaf continues an existing one (see ``continues``). A flag, not a count, so
@@ -32,29 +46,59 @@ class PrefixIndex:
     def blocks(self, engine: str) -> int:
         return len(self._blocks.get(engine, ()))
 
+    def engines(self) -> list[str]:
+        return list(self._blocks)
+
+    def approx_bytes(self) -> int:
+        """Estimated memory of the whole index (containers and hash objects), cheap enough for every
+        scrape: sizes of the containers, plus one owner set and one hash object per distinct block."""
+        per_engine = sum(sys.getsizeof(b) for b in self._blocks.values())
+        return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._continued)
+                + len(self._owners) * (_SET_BYTES + _INT_BYTES))
+
     def add(self, engine: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
         when the chain does not start at the prompt's beginning)."""
+        if not hashes:
+            return
         now = self._clock()
         blocks = self._blocks.get(engine)
         if blocks is None:
-            blocks = self._blocks[engine] = OrderedDict()
-        owners_of = self._owners
-        prev = parent
-        for h in hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                owners = owners_of.get(h)
-                if owners is None:
-                    owners_of[h] = {engine}
-                    if prev is not None:  # a block new to the index continues ``prev``
-                        self._continued.add(prev)
-                else:
-                    owners.add(engine)
-            blocks[h] = now
-            prev = h
+            blocks = self._blocks[engine] = {}
+        fresh = dict(zip(reversed(hashes), repeat(now)))  # tail first: see ``_blocks``
+        held = fresh.keys() & blocks.keys()
+        deque(map(blocks.__delitem__, held), maxlen=0)  # re-inserted below, at the fresh end
+        blocks.update(fresh)
+        if len(held) < len(fresh):
+            self._own(engine, hashes, held, parent)
         self._trim(engine, blocks, now)
+
+    def _own(self, engine: str, hashes: Sequence[BlockHash], held: set[BlockHash],
+             parent: BlockHash | None) -> None:
+        """Ownership and chain shape for the blocks new to ``engine``. Usually they are the chain's
+        tail (a conversation grows at its end), so only those are visited."""
+        n = len(hashes)
+        new = n - len(held)
+        start = n - new
+        if held.isdisjoint(islice(hashes, start, n)):
+            first = start                          # the new ones are exactly the tail
+        else:
+            first = 0                              # scattered: visit every block
+        owners_of = self._owners
+        prev = parent if first == 0 else hashes[first - 1]
+        for i in range(first, n):
+            h = hashes[i]
+            if first == 0 and h in held:
+                prev = h
+                continue
+            owners = owners_of.get(h)
+            if owners is None:
+                owners_of[h] = {engine}
+                if prev is not None:  # a block new to the index continues ``prev``
+                    self._continued.add(prev)
+            else:
+                owners.add(engine)
+            prev = h
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
@@ -72,8 +116,12 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Leading blocks of ``hashes`` each engine holds (engines with no match are absent).
 
-        Set operations run in C: an engine stays "live" while every block so far is its own; the
-        walk ends when no engine is live or a block has no owner at all."""
+        An engine that holds block ``k`` of a chain holds every block before it (see ``_blocks``;
+        vLLM too frees a request's blocks tail first, and a prefix no earlier than its tails), so
+        the depth where an engine's run ends is found by galloping and bisecting: O(log n) probes
+        per point where the set of engines still matching shrinks, not one per block. Each probe is
+        a C-level subset test. A hole inside a run (a lost KV event) can be skipped, which counts
+        the blocks after it as held: at worst one mis-scored decision."""
         if not hashes:
             return {}
         if self._ttl is not None:
@@ -81,27 +129,44 @@ class PrefixIndex:
             if now - self._expired_at >= min(1.0, self._ttl / 10):  # TTLs are minutes; sweep ~1/s
                 self._expired_at = now
                 self._expire(now)
-        first = self._owners.get(hashes[0])
+        get = self._owners.get
+        first = get(hashes[0])
         if not first:
             return {}
         live = set(first)
         matched: dict[str, int] = {}
-        depth, n = 1, len(hashes)
-        while depth < n:
-            owners = self._owners.get(hashes[depth])
-            if owners is None:
-                break
-            if not live <= owners:
-                still = live & owners
-                for e in live - still:
-                    matched[e] = depth
-                live = still
-                if not live:
+        n = len(hashes)
+        lo = 0  # every live engine holds hashes[lo]
+        while True:
+            # Gallop: the last depth up to which every live engine still holds the chain.
+            good, step = lo, 1
+            bad = n
+            while good + step < n:
+                owners = get(hashes[good + step])
+                if owners is not None and live <= owners:
+                    good += step
+                    step *= 2
+                else:
+                    bad = good + step
                     break
-            depth += 1
-        for e in live:
-            matched[e] = depth
-        return matched
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                owners = get(hashes[mid])
+                if owners is not None and live <= owners:
+                    good = mid
+                else:
+                    bad = mid
+            if bad >= n:
+                for e in live:
+                    matched[e] = n
+                return matched
+            owners = get(hashes[bad])
+            still = live & owners if owners is not None else set()
+            for e in live - still:
+                matched[e] = bad
+            if not still:
+                return matched
+            live, lo = still, bad
 
     def _expire(self, now: float) -> None:
         """Drop blocks unused for ``ttl_s``. Use moves a block to the end, so expired ones are at the
@@ -110,20 +175,22 @@ class PrefixIndex:
         for engine, blocks in self._blocks.items():
             self._drop_older(engine, blocks, now - self._ttl)
 
-    def _trim(self, engine: str, blocks: OrderedDict[BlockHash, float], now: float) -> None:
-        if self._capacity is not None:
-            for _ in range(len(blocks) - self._capacity):
-                h, _seen = blocks.popitem(last=False)
+    def _trim(self, engine: str, blocks: dict[BlockHash, float], now: float) -> None:
+        over = 0 if self.capacity_blocks is None else len(blocks) - self.capacity_blocks
+        if over > 0:
+            gone = list(islice(blocks, over))
+            deque(map(blocks.__delitem__, gone), maxlen=0)
+            for h in gone:
                 self._disown(h, engine)
         if self._ttl is not None:
             self._drop_older(engine, blocks, now - self._ttl)
 
-    def _drop_older(self, engine: str, blocks: OrderedDict[BlockHash, float], oldest: float) -> None:
+    def _drop_older(self, engine: str, blocks: dict[BlockHash, float], oldest: float) -> None:
         while blocks:
             h, seen = next(iter(blocks.items()))
             if seen >= oldest:
                 break
-            blocks.popitem(last=False)
+            del blocks[h]
             self._disown(h, engine)
 
     def continues(self, h: BlockHash) -> bool:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import msgspec
@@ -153,6 +154,7 @@ class KvEventMirror:
         self.media = frozenset(media)
         self.stats = MirrorStats()
         self._ours: dict[_Key, list[BlockHash]] = {}
+        self._depth: dict[_Key, int] = {}  # our blocks from the prompt's start through this engine block
         self._refs: dict[BlockHash, int] = {}
 
     @property
@@ -187,6 +189,7 @@ class KvEventMirror:
     def reset(self) -> None:
         """The engine's cache is gone (``AllBlocksCleared``, restart) or we stop listening."""
         self._ours.clear()
+        self._depth.clear()
         self._refs.clear()
         self.index.clear(self.engine)
 
@@ -206,10 +209,10 @@ class KvEventMirror:
                 # Missed event, or a partial-tail entry whose parent sits inside an engine block.
                 self.stats.unknown_parent += 1
                 return
-            seed = parent_ours[-1]
+            seed, start = parent_ours[-1], self._depth[(group, ev.parent_block_hash)]
         else:
             first = ev.extra_keys[0] if ev.extra_keys else None
-            seed = chain_seed(ev.lora_name or self.model, _cache_salt(first, ev.lora_name))
+            seed, start = chain_seed(ev.lora_name or self.model, _cache_salt(first, ev.lora_name)), 0
         n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)
         if ev.extra_keys:
             hashable = next((i for i, keys in enumerate(ev.extra_keys[:n]) if _opaque(keys)), n)
@@ -217,7 +220,7 @@ class KvEventMirror:
             n = hashable
         if n == 0:
             return
-        ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed)
+        ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed, start)
         per = ev.block_size // self.block_size
         for i, eh in enumerate(ev.block_hashes[:n]):
             key = (group, eh)
@@ -226,6 +229,7 @@ class KvEventMirror:
                 self._release(old)
             new = ours[i * per:(i + 1) * per]
             self._ours[key] = new
+            self._depth[key] = start + (i + 1) * per
             for h in new:
                 self._refs[h] = self._refs.get(h, 0) + 1
         self.stats.blocks_stored += n
@@ -237,6 +241,7 @@ class KvEventMirror:
         gone: list[BlockHash] = []
         for eh in ev.block_hashes:
             ours = self._ours.pop((group, eh), None)
+            self._depth.pop((group, eh), None)
             if ours is not None:
                 self.stats.blocks_removed += 1
                 gone += self._release(ours)
@@ -289,9 +294,13 @@ class KvEventSubscriber:
 
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
     REPLAY_TIMEOUT_S = 2.0
+    BATCH_S = 0.002  # the most one engine's batches hold the gate (and the event loop) at a time
 
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
-                 context: zmq.asyncio.Context | None = None, replay_endpoint: str | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, replay_endpoint: str | None = None,
+                 gate: asyncio.Lock | None = None) -> None:
+        """``gate``: shared by every engine's subscriber (``PreciseIndexSource``), so that only one
+        applies events at a time."""
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.replayed = 0
@@ -305,6 +314,7 @@ class KvEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._gate = gate if gate is not None else asyncio.Lock()
 
     @property
     def running(self) -> bool:
@@ -341,16 +351,42 @@ class KvEventSubscriber:
             self._sock = None
 
     async def _run(self, sock: zmq.asyncio.Socket) -> None:
+        """Receive, then apply under the shared gate: one engine's batches at a time, as many as are
+        waiting for up to ``BATCH_S``. With hundreds of engines publishing, a decision then waits for
+        at most one such batch, not for every engine's message of this loop turn."""
+        held: list[bytes] | None = None
         while True:
-            frames = await sock.recv_multipart()
+            frames = held if held is not None else await sock.recv_multipart()
+            held = None
+            await self._replay_before(frames)
+            async with self._gate:
+                deadline = time.perf_counter() + self.BATCH_S
+                self._apply(frames)
+                while time.perf_counter() < deadline and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+                    frames = await sock.recv_multipart()  # ready: completes without waiting
+                    if self._gap_to_replay(frames):
+                        held = frames  # replayed outside the gate first
+                        break
+                    self._apply(frames)
+
+    def _gap_to_replay(self, frames: Sequence[bytes]) -> bool:
+        last = self.last_seq
+        return (self.replay_endpoint is not None and last is not None and len(frames) == 3
+                and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") > last + 1)
+
+    async def _replay_before(self, frames: Sequence[bytes]) -> None:
+        if self._gap_to_replay(frames):
+            assert self.last_seq is not None
             try:
-                last = self.last_seq
-                if (self.replay_endpoint is not None and last is not None and len(frames) == 3
-                        and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") > last + 1):
-                    await self.replay(last + 1, int.from_bytes(frames[1], "big"))
-                self.handle(frames)
-            except Exception:  # one bad batch must not end the subscription
-                log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
+                await self.replay(self.last_seq + 1, int.from_bytes(frames[1], "big"))
+            except Exception:  # a failed replay leaves the gap for ``handle`` to count
+                log.exception("KV events from %s: replay failed", self.mirror.engine)
+
+    def _apply(self, frames: Sequence[bytes]) -> None:
+        try:
+            self.handle(frames)
+        except Exception:  # one bad batch must not end the subscription
+            log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
 
     async def replay(self, first: int, stop: int) -> int:
         """Fetch batches ``first`` … ``stop - 1`` from the engine's replay socket and apply them in
@@ -420,6 +456,7 @@ class PreciseIndexSource:
         self.topic = topic
         self._ctx = context
         self.subscribers: dict[str, KvEventSubscriber] = {}
+        self.gate = asyncio.Lock()  # one intake at a time over all engines (see KvEventSubscriber._run)
 
     async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
                      replay: str | None = None) -> KvEventSubscriber:
@@ -433,7 +470,8 @@ class PreciseIndexSource:
                 return sub
             await self.detach(engine_url)
         mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
-        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay)
+        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
+                                gate=self.gate)
         sub.start()
         self.subscribers[engine_url] = sub
         log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)
