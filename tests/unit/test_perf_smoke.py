@@ -61,6 +61,9 @@ def test_scheduler_latency_quick(out_root: Path, capsys: pytest.CaptureFixture[s
     figures = json.loads((out_root / "scheduler_latency" / "result.json").read_text())
     assert figures["index_blocks_after_run"]["max"] <= figures["blocks_per_engine"]   # capacity holds
     assert set(figures["scaling"]) == {"512", "2048", "8192"}
+    scale, intake = figures["scale"], figures["intake"]
+    assert 0 < scale["index_blocks"]["max"] <= scale["capacity_blocks"] and scale["hit_share"] > 0
+    assert intake["idle"]["blocks_applied_per_s"] == 0 < intake["busy"]["blocks_applied_per_s"]  # real ZMQ
     assert (out_root / "scheduler_latency" / "scheduler_latency.png").stat().st_size > 0
     assert (out_root / "scheduler_latency" / "report.md").read_text().startswith("# Scheduler")
 

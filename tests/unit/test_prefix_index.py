@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -145,17 +146,27 @@ def test_galloping_match_equals_a_block_by_block_walk() -> None:
     engines = [f"e{i}" for i in range(6)]
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
     convs: list[list[int]] = []
+    chains: list[list[int]] = []
     for step in range(600):
         if convs and rng.random() < 0.6:
             base = rng.choice(convs)
-            prompt = base[:rng.randrange(len(base) + 1)] + [rng.randrange(1000) for _ in range(rng.randrange(200))]
+            keep = base[:rng.randrange(len(base) + 1)]
+            prompt = keep + [rng.randrange(1000) for _ in range(rng.randrange(200))]
         else:
             prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(400))]
         convs.append(prompt)
         hashes = block_hashes(prompt, 16, SEED)
         assert idx.match(hashes) == _walk(idx, hashes), step
         idx.add(rng.choice(engines), hashes)
+        chains.append(hashes)
     assert all(0 < idx.blocks(e) <= 300 for e in engines)
+    # Ownership is exactly who holds a block, and an indexed block's parent is marked continued.
+    held = {e: set(idx._blocks[e]) for e in engines}
+    assert idx._owners == {h: {e for e in engines if h in held[e]} for h in set().union(*held.values())}
+    for hashes in chains:
+        for parent, child in itertools.pairwise(hashes):
+            if child in idx._owners and parent in idx._owners:
+                assert not idx.continues(parent)
 
 
 def test_only_blocks_new_to_the_index_mark_their_parent_continued() -> None:
