@@ -17,13 +17,29 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import not_
+from operator import eq, is_
 
 from coordinator.pipeline.scheduling.prefix.hashing import BlockHash
 
 _SET_BYTES = sys.getsizeof({"engine-a", "engine-b"})
 _INT_BYTES = sys.getsizeof(2**62)
-_EMPTY: set[str] = set()  # stands in for a block without owners (never filled)
+
+# A block's owners: one engine's name (most blocks: a conversation lives on one engine) or a set of
+# several (shared system prompts). A name is no container, so millions of single-owner blocks cost
+# no set each, nothing to create in bulk learning and nothing for the garbage collector to walk.
+Owners = str | set[str]
+
+
+def _holds_all(owners: Owners | None, live: set[str]) -> bool:
+    if owners is None:
+        return False
+    if isinstance(owners, str):
+        return len(live) == 1 and owners in live
+    return live <= owners
+
+
+def _as_set(owners: Owners) -> set[str]:
+    return {owners} if isinstance(owners, str) else set(owners)
 
 
 class PrefixIndex:
@@ -32,17 +48,20 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self._ttl = ttl_s
         self._clock = clock
-        self._owners: dict[BlockHash, set[str]] = {}
+        self._owners: dict[BlockHash, Owners] = {}
+        self._shared = 0  # blocks whose owners are a set (for ``approx_bytes``)
         # engine → block → last use, in LRU order (a plain dict keeps insertion order; re-inserting
         # moves a block to the end). A chain is inserted tail first, so a block always sits behind
         # (is fresher than) its descendants: trimming and expiry take a chain's tail before its
         # prefix, and what an engine keeps of a prompt is always a leading run that still matches.
         self._blocks: dict[str, dict[BlockHash, float]] = {}
-        # The chain's shape: blocks that some indexed block continues. A prompt whose match ends
-        # where others branch off (a shared system prompt) is a *new* conversation; one whose match
-        # ends at a leaf continues an existing one (see ``continues``). A flag, not a count, so
-        # learning stays one set operation per block; it is cleared when the block itself goes.
-        self._continued: set[BlockHash] = set()
+        # The chain's shape: indexed blocks that no block new to the index has continued since they
+        # came (leaves). A prompt whose match ends where others branch off (a shared system prompt)
+        # is a *new* conversation; one whose match ends at a leaf continues an existing one (see
+        # ``continues``). Leaves, not the far more numerous inner blocks, so that learning a chain
+        # touches two entries; a block stops being a leaf for good once continued (a flag, not a
+        # count) and leaves the set when it leaves the index.
+        self._leaves: set[BlockHash] = set()
         self._expired_at = float("-inf")
 
     def blocks(self, engine: str) -> int:
@@ -51,12 +70,16 @@ class PrefixIndex:
     def engines(self) -> list[str]:
         return list(self._blocks)
 
+    def owners(self, h: BlockHash) -> set[str]:
+        o = self._owners.get(h)
+        return set() if o is None else _as_set(o)
+
     def approx_bytes(self) -> int:
         """Estimated memory of the whole index (containers and hash objects), cheap enough for every
         scrape: sizes of the containers, plus one owner set and one hash object per distinct block."""
         per_engine = sum(sys.getsizeof(b) for b in self._blocks.values())
-        return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._continued)
-                + len(self._owners) * (_SET_BYTES + _INT_BYTES))
+        return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._leaves)
+                + len(self._owners) * _INT_BYTES + self._shared * _SET_BYTES)
 
     def add(self, engine: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
@@ -93,14 +116,14 @@ class PrefixIndex:
             self._own_each(engine, hashes, held, parent)
             return
         for h in known:
-            owners_of[h].add(engine)
+            self._add_owner(h, owners_of[h], engine)
         if brand < n:
-            fresh_owners = map(set, repeat((engine,), n - brand))
-            owners_of.update(zip(islice(hashes, brand, n), fresh_owners, strict=True))
-            # each new block continues the one before it
-            self._continued.update(islice(hashes, max(brand - 1, 0), n - 1))
-            if brand == 0 and parent is not None:
-                self._continued.add(parent)
+            owners_of.update(zip(islice(hashes, brand, n), repeat(engine), strict=False))
+            # The block before the first new one is continued; the last new one is the new leaf.
+            before = hashes[brand - 1] if brand else parent
+            if before is not None:
+                self._leaves.discard(before)
+            self._leaves.add(hashes[n - 1])
 
     def _own_each(self, engine: str, hashes: Sequence[BlockHash], held: set[BlockHash],
                   parent: BlockHash | None) -> None:
@@ -110,12 +133,21 @@ class PrefixIndex:
             if h not in held:
                 owners = owners_of.get(h)
                 if owners is None:
-                    owners_of[h] = {engine}
+                    owners_of[h] = engine
                     if prev is not None:  # a block new to the index continues ``prev``
-                        self._continued.add(prev)
+                        self._leaves.discard(prev)
+                    self._leaves.add(h)   # until a new block continues it
                 else:
-                    owners.add(engine)
+                    self._add_owner(h, owners, engine)
             prev = h
+
+    def _add_owner(self, h: BlockHash, owners: Owners, engine: str) -> None:
+        if isinstance(owners, str):
+            if owners != engine:
+                self._owners[h] = {owners, engine}
+                self._shared += 1
+        else:
+            owners.add(engine)
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
@@ -150,7 +182,7 @@ class PrefixIndex:
         first = get(hashes[0])
         if not first:
             return {}
-        live = set(first)
+        live = _as_set(first)
         matched: dict[str, int] = {}
         n = len(hashes)
         lo = 0  # every live engine holds hashes[lo]
@@ -159,8 +191,7 @@ class PrefixIndex:
             good, step = lo, 1
             bad = n
             while good + step < n:
-                owners = get(hashes[good + step])
-                if owners is not None and live <= owners:
+                if _holds_all(get(hashes[good + step]), live):
                     good += step
                     step *= 2
                 else:
@@ -168,8 +199,7 @@ class PrefixIndex:
                     break
             while bad - good > 1:
                 mid = (good + bad) // 2
-                owners = get(hashes[mid])
-                if owners is not None and live <= owners:
+                if _holds_all(get(hashes[mid]), live):
                     good = mid
                 else:
                     bad = mid
@@ -178,7 +208,7 @@ class PrefixIndex:
                     matched[e] = n
                 return matched
             owners = get(hashes[bad])
-            still = live & owners if owners is not None else set()
+            still = live & _as_set(owners) if owners is not None else set()
             for e in live - still:
                 matched[e] = bad
             if not still:
@@ -213,21 +243,34 @@ class PrefixIndex:
 
     def continues(self, h: BlockHash) -> bool:
         """No indexed block continues ``h``: a prompt whose match ends here extends its own chain."""
-        return h not in self._continued
+        return h in self._leaves or h not in self._owners
 
     def _disown_all(self, gone: list[BlockHash], engine: str) -> None:
-        """``_disown`` for many blocks in C-level passes (trimming evicts as many as it learns)."""
+        """``_disown`` for many blocks in C-level passes (trimming evicts as many as it learns): the
+        blocks only ``engine`` owned go in bulk, shared ones one by one."""
         owners_of = self._owners
-        sets = list(map(owners_of.get, gone, repeat(_EMPTY)))
-        deque(map(set.discard, sets, repeat(engine)), maxlen=0)
-        dead = list(compress(gone, map(not_, sets)))   # no owner left (or none to begin with)
-        deque(map(owners_of.pop, dead, repeat(None)), maxlen=0)
-        self._continued.difference_update(dead)
+        found = list(map(owners_of.get, gone))
+        alone = list(compress(gone, map(eq, found, repeat(engine))))
+        deque(map(owners_of.__delitem__, alone), maxlen=0)
+        self._leaves.difference_update(alone)
+        if len(alone) < len(gone):
+            for h in compress(gone, map(is_, map(type, found), repeat(set))):
+                self._disown(h, engine)
 
     def _disown(self, h: BlockHash, engine: str) -> None:
         owners = self._owners.get(h)
-        if owners is not None:
+        if owners is None:
+            return
+        if isinstance(owners, str):
+            if owners != engine:
+                return
+        else:
             owners.discard(engine)
-            if not owners:
-                del self._owners[h]
-                self._continued.discard(h)
+            if len(owners) > 1:
+                return
+            self._shared -= 1
+            if owners:
+                self._owners[h] = owners.pop()
+                return
+        del self._owners[h]
+        self._leaves.discard(h)
