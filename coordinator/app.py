@@ -183,6 +183,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
                            context_budget=settings.limits.context_budget_mode,
                            engine_lengths=registry.max_model_lens,
+                           prefix_block_size=None if prefix.source == "none" else prefix.block_size,
                            native_route=native),
         dispatcher=Dispatcher(engines, attempts, settings.topology, board),
         derenderer=derenderer,

@@ -4,13 +4,15 @@ that says how the sidecar is configured.
 ``python -m render_sidecar.server --model DIR [every vllm serve flag] [--session-cache-entries N ...]``
 
 It runs vLLM's render entry point (``vllm.entrypoints.launchers.render.entry``) in this process and
-changes one thing in it: the FastAPI app vLLM builds gets two routes placed before its own,
+changes one thing in it: the FastAPI app vLLM builds gets routes placed before its own,
 
 * ``POST /v1/chat/completions/derender``, which answers streaming calls of a parser-configured
   sidecar from live parser sessions (``stream_cache.py``) and hands every other call to vLLM's route
   for that path, untouched;
 * ``GET /derender/capabilities``: the tool-call / reasoning parsers, whether the session cache is
   on and its bounds, and the vLLM version, which the coordinator reads at start-up;
+* ``POST /v1/chat/completions/render`` and ``/v1/completions/render`` in front of vLLM's, adding
+  the prompts' block hashes to the answer when the coordinator asks (``prefix_hashes.py``);
 
 and the cache's counters on the existing ``/metrics``. Routes rather than a middleware: vLLM's app
 has already built its middleware stack (request metrics, error handling) when we get it, and a route
@@ -33,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
 from render_sidecar.sessions import SessionCache
 
 CAPABILITIES_PATH = "/derender/capabilities"
@@ -183,6 +186,11 @@ def install_routes(app: Any, cache: SessionCache | None) -> None:
     routes.insert(0, Route(CAPABILITIES_PATH, capabilities_route, methods=["GET"]))
     routes.insert(0, Route(DERENDER_CHAT_PATH, CachedDerenderRoute(vllm_route.handle, app.state, cache),
                            methods=["POST"]))
+    for path in RENDER_PATHS:
+        render = next((r for r in routes if getattr(r, "path", None) == path
+                       and "POST" in (getattr(r, "methods", None) or ())), None)
+        if render is not None:
+            routes.insert(0, Route(path, HashingRenderRoute(render.handle), methods=["POST"]))
 
 
 def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:

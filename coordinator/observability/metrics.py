@@ -84,6 +84,9 @@ class Metrics:
         self._query_tokens = self._hit_tokens = 0  # the counters' totals, for the ratio
         self.prefix_hit_ratio.set_function(
             lambda: self._hit_tokens / self._query_tokens if self._query_tokens else 0.0)
+        self.prefix_hashes = Counter("coordinator_prefix_hashes", "Prompts hashed for the prefix index, by "
+                                     "who hashed them: render (the sidecar, with the ids) or coordinator",
+                                     ["source"], registry=r)
         self.index_blocks = Gauge("coordinator_prefix_index_blocks", "Blocks the prefix index (or its "
                                   "pending layer) holds per engine", ["index", "engine"], registry=r)
         self.index_capacity = Gauge("coordinator_prefix_index_capacity_blocks", "The most blocks the index "

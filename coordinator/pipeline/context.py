@@ -24,6 +24,7 @@ class PromptPlan:
     n: int
     stop: StopSpec
     attempt: int = 1                  # engine attempt now streaming (a relay starts the next one)
+    block_hashes: list[int] | None = None  # the prompt's prefix-index hashes, when render sent them
 
     @property
     def prompt_tokens(self) -> int:

@@ -63,6 +63,7 @@ from coordinator.pipeline.token_ids import check_rendered
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI and vLLM default for /v1/completions
+PREFIX_HASH_HEADER = "x-prefix-hash"  # render_sidecar/prefix_hashes.py
 # Client sampling fields the plan keeps when render is unavailable (what _plan reads besides max_tokens).
 _LOCAL_SAMPLING_FIELDS = ("n", "stop", "include_stop_str_in_output", "min_tokens")
 
@@ -73,10 +74,14 @@ class RenderStage:
                  native_route: NativeRoute | None = None,
                  context_budget: Literal["off", "on"] = "off",
                  engine_lengths: Callable[[str], list[int]] = lambda model: [],
+                 prefix_block_size: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Without ``local`` and ``native_route`` there is no render fallback (render errors go out).
         ``engine_lengths(model)``: the configured ``max_model_len`` of the engines that may run it.
+        ``prefix_block_size``: ask render for the prompts' block hashes at this block size (the
+        scheduler reads a prefix index); our sidecar adds them, vLLM's own ignores the ask.
         ``clock`` drives the render circuit's cooldown (tests)."""
+        self._hash_block = prefix_block_size
         self._sidecar = sidecar
         self._clamp = context_budget == "on"
         self._engine_lengths = engine_lengths
@@ -167,7 +172,10 @@ class RenderStage:
         body = ctx.body
         if self._clamp:  # render must not refuse a budget the coordinator will clamp (module doc)
             body = {**body, **{f: 1 for f in ("max_completion_tokens", "max_tokens") if body.get(f)}}
-        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="render")
+        headers = None
+        if self._hash_block is not None and ctx.model.isascii():  # the model name seeds the chain
+            headers = {PREFIX_HASH_HEADER: f"{self._hash_block} {ctx.model}"}
+        out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="render", headers=headers)
         rendered = [out] if isinstance(out, dict) else out
         if not isinstance(rendered, list) or not rendered or not all(
                 isinstance(g, dict) and isinstance(g.get("token_ids"), list) for g in rendered):
@@ -206,7 +214,12 @@ class RenderStage:
 
     def _plan(self, index: int, gr: dict[str, Any], ctx: RequestContext, requested: int | None,
               max_len: int) -> PromptPlan:
+        gr = dict(gr)
         ids: list[int] = gr["token_ids"]
+        hashes = gr.pop("block_hashes", None)   # never sent on to the engine
+        block = self._hash_block
+        if not (block and isinstance(hashes, list) and len(hashes) == len(ids) // block):
+            hashes = None
         room = max_len - len(ids)
         fills = room < 1  # with context_budget_mode on, sent as it is: the engine refuses it
         if fills and not self._clamp:
@@ -238,7 +251,7 @@ class RenderStage:
         generate = dict(gr)
         generate["sampling_params"] = sp
         return PromptPlan(index=index, generate=generate, prompt_token_ids=ids,
-                          n=int(sp.get("n", 1)), stop=spec)
+                          n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes)
 
 
 def _with_message(error: PipelineError, message: str) -> PipelineError:

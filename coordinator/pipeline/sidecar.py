@@ -170,19 +170,21 @@ class SidecarClient:
 
     async def post(self, path: str, body: Mapping[str, Any], *, request_id: str | None = None,
                    stage: str = "render", affinity: Affinity | None = None,
-                   decode: Callable[[bytes], Any] | None = None) -> Any:
+                   decode: Callable[[bytes], Any] | None = None,
+                   headers: Mapping[str, str] | None = None) -> Any:
         """POST ``body`` as JSON (``msgspec.Raw`` values spliced in as they are) and return the decoded
         reply; 4xx pass through as client errors, the rest become 502/504. With ``affinity`` the call
         goes to the stream's sidecar while it answers, and ``affinity`` then names the one that did.
         ``decode``: a typed msgspec decoder for the reply (a reply it refuses is a malformed body)."""
         return await self.post_raw(path, _encode(body), request_id=request_id, stage=stage,
-                                   affinity=affinity, decode=decode)
+                                   affinity=affinity, decode=decode, headers=headers)
 
     async def post_raw(self, path: str, content: bytes, *, request_id: str | None = None,
                        stage: str = "render", affinity: Affinity | None = None,
-                       decode: Callable[[bytes], Any] | None = None) -> Any:
+                       decode: Callable[[bytes], Any] | None = None,
+                       headers: Mapping[str, str] | None = None) -> Any:
         """Like ``post`` for a body that is already JSON bytes (e.g. built once from ``encode``)."""
-        headers = {"content-type": "application/json"}
+        headers = {**(headers or {}), "content-type": "application/json"}
         if request_id:
             headers["x-request-id"] = request_id
         tracing.inject(headers)  # traceparent of the render/derender span (nothing when tracing is off)

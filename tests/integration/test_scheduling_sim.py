@@ -288,6 +288,38 @@ def test_affinity_keeps_a_conversation_on_its_engine(render_sidecar: Any,
         # The engines' own counters agree: later turns hit their prefix cache.
         for e in engines:
             assert e.state()["prefix_cache"]["hits"] > 0
+        # Every prompt's hashes came from the render sidecar, none were computed on the event loop.
+        assert sample(coord, "coordinator_prefix_hashes_total", source="render") == 12
+        assert sample(coord, "coordinator_prefix_hashes_total", source="coordinator") == 0
+
+
+def test_render_sidecar_hashes_prompts_exactly_as_the_coordinator_does(render_sidecar: Any) -> None:
+    """Our sidecar adds each rendered prompt's block hashes when asked, equal to the coordinator's own
+    (salt included, every prompt of a batch), and answers vLLM's body untouched when not asked."""
+    from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+
+    ask = {"x-prefix-hash": f"16 {SERVED}"}
+    body = convo("hash", 2)
+    plain = httpx.post(f"{render_sidecar.url}/v1/chat/completions/render", json=body, timeout=30)
+    hashed = httpx.post(f"{render_sidecar.url}/v1/chat/completions/render", json=body, headers=ask, timeout=30)
+    assert plain.status_code == hashed.status_code == 200 and "block_hashes" not in plain.json()
+    got = hashed.json()
+    assert hashed.headers["x-prefix-hash"] == ask["x-prefix-hash"]
+    same = {k: v for k, v in plain.json().items() if k != "request_id"}   # a fresh id per call
+    assert {k: v for k, v in got.items() if k not in ("block_hashes", "request_id")} == same
+    ids = got["token_ids"]
+    assert len(ids) >= 32 and got["block_hashes"] == block_hashes(ids, 16, chain_seed(SERVED))
+    salted = httpx.post(f"{render_sidecar.url}/v1/chat/completions/render", json={**body, "cache_salt": "t1"},
+                        headers={"x-prefix-hash": f"8 {SERVED}"}, timeout=30).json()
+    assert salted["block_hashes"] == block_hashes(salted["token_ids"], 8, chain_seed(SERVED, "t1"))
+    batch = httpx.post(f"{render_sidecar.url}/v1/completions/render", headers=ask, timeout=30,
+                       json={"model": SERVED, "prompt": [list(range(100, 140)), list(range(200, 250))]}).json()
+    assert [g["block_hashes"] for g in batch] == [block_hashes(g["token_ids"], 16, chain_seed(SERVED))
+                                                  for g in batch]
+    assert [len(g["block_hashes"]) for g in batch] == [2, 3]
+    bad = httpx.post(f"{render_sidecar.url}/v1/chat/completions/render", headers=ask, timeout=30,
+                     json={"model": SERVED, "messages": "not a list"})
+    assert bad.status_code == 400 and "block_hashes" not in bad.text   # vLLM's error, passed on
 
 
 def test_round_robin_and_least_load_policies(render_sidecar: Any,

@@ -90,11 +90,17 @@ def test_the_render_images_copy_every_module_the_server_imports() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    shipped = {"__init__.py", "server.py", "stream_cache.py", "sessions.py"}
+    shipped = {"__init__.py", "server.py", "stream_cache.py", "sessions.py", "prefix_hashes.py"}
+    hashing = "coordinator/pipeline/scheduling/prefix/hashing.py"   # the one coordinator module shipped
     for dockerfile in ("render.Dockerfile", "vllm-cpu.Dockerfile"):
         text = (root / "deploy" / "docker" / dockerfile).read_text()
         copied = set(re.findall(r"render_sidecar/(\w+\.py)", text))
         assert copied == shipped, dockerfile
+        assert f"COPY {hashing} /opt/llmc/{hashing.rsplit('/', 1)[0]}/" in text, dockerfile
+    assert not [line for line in (root / hashing).read_text().splitlines()
+                if line.startswith(("from ", "import ")) and line.split()[1].split(".")[0] in
+                ("render_sidecar", "token_engine", "coordinator", "perf", "deploy", "tests")]
+    importable = shipped | {"hashing.py"}
     project = ("render_sidecar", "token_engine", "coordinator", "perf", "deploy", "tests")
     for name in shipped - {"__init__.py"}:
         tree = ast.parse((root / "render_sidecar" / name).read_text())
@@ -103,4 +109,4 @@ def test_the_render_images_copy_every_module_the_server_imports() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
             for imported in names:
                 if imported.split(".")[0] in project:
-                    assert f"{imported.split('.')[-1]}.py" in shipped, f"{name} imports {imported}"
+                    assert f"{imported.split('.')[-1]}.py" in importable, f"{name} imports {imported}"

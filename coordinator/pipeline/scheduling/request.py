@@ -19,7 +19,8 @@ class SchedRequest:
     cache_salt: str | None = None
     exclude: set[str] = field(default_factory=set)   # engine urls this request already failed on
     engine_deaths: int = 0                            # attempts whose engine died under this request
-    block_hashes: list[int] | None = None             # filled once by the scheduler, reused on retries
+    block_hashes: list[int] | None = None             # from render, else filled once by the scheduler
+    hashes_counted: bool = False                      # its hashes' source is on /metrics already
     native_api: bool = False                          # the native route: union engines with native_api only
 
     @property

@@ -244,9 +244,16 @@ class Scheduler:
                    for e in self._registry.eligible(req.model, role))
 
     def _prepare(self, req: SchedRequest) -> None:
-        if (self.index is not None or self.pending is not None) and req.block_hashes is None:
+        if self.index is None and self.pending is None:
+            return
+        source = "render"
+        if req.block_hashes is None:
+            source = "coordinator"
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
                                             chain_seed(req.model, req.cache_salt))
+        if not req.hashes_counted and self._metrics is not None:
+            req.hashes_counted = True
+            self._metrics.prefix_hashes.labels(source).inc()
 
     def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
         req = data.req

@@ -70,9 +70,13 @@ class Dispatcher:
         obfuscator = self._client.obfuscator
         if obfuscator is not None:
             ids = obfuscator.to_physical(ids)
+        # Render's hashes are of the plan's own (logical) ids: not for a relay's replay, nor for the
+        # physical ids obfuscation sends.
+        hashes = plan.block_hashes if obfuscator is None and ids is plan.prompt_token_ids else None
         return SchedRequest(request_id=generate["request_id"], model=ctx.model, prompt_token_ids=ids,
                             max_tokens=int(generate["sampling_params"]["max_tokens"]), n=plan.n,
-                            priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None)
+                            priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None,
+                            block_hashes=hashes)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
