@@ -4,7 +4,9 @@ Two measurements, each with its baseline in the same run:
 
 * ``agent_scale``: affinity decisions on 100k-token prompts over a full approximate index of
   hundreds of engines, split into hash / match / the rest (scorers, picker, metrics) and learning
-  (applied after the decision, as the app does), beside round-robin without an index.
+  (applied after the decision, as the app does), beside round-robin without an index. The decision
+  is timed with the prompt's hashes from render (what our sidecar sends) and with the coordinator
+  hashing them itself (vLLM's own render server, the local-tokenizer fallback).
 * ``kv_intake``: the precise source fed by hundreds of engines' KV events over real ZMQ (a child
   process publishes vLLM's wire format on one PUB socket per engine) while decisions run on the
   event loop; decision time and lateness (start - intended start) with the publishers idle and busy.
@@ -81,7 +83,8 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
     http = httpx.AsyncClient()
     aff = _scheduler(engines, "affinity", index, http, seed)
     rr = _scheduler(engines, "round_robin", None, http, seed)
-    parts: dict[str, list[float]] = {k: [] for k in ("decision", "hash", "match", "rest", "learn", "rr")}
+    parts: dict[str, list[float]] = {k: [] for k in ("decision", "hash", "decision_self_hashed", "match",
+                                                     "rest", "learn", "rr")}
     matched: list[int] = []
     say(f"agent scale: {decisions} decisions per policy at {tokens} prompt tokens, interleaved")
     done = 0
@@ -104,7 +107,8 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
             assert placed is not None
             matched.append(placed.matched_tokens)
             parts["hash"].append((b - a) / 1e9)
-            parts["decision"].append((c - a) / 1e9)
+            parts["decision"].append((c - b) / 1e9)            # hashes from render (our sidecar)
+            parts["decision_self_hashed"].append((c - a) / 1e9)  # the coordinator hashes them itself
             parts["match"].append((m1 - m0) / 1e9)
             parts["rest"].append(max(0.0, (c - b - (m1 - m0)) / 1e9))
             parts["learn"].append((d - c) / 1e9)
@@ -235,26 +239,28 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
     async def phase(label: str) -> dict[str, Any]:
         took: list[float] = []
         late: list[float] = []
-        prompts = [wl.next(tokens) for _ in range(decisions)]   # made before: not on the loop's clock
-        first, start = stored(), loop.time()
+        # Made before, with their hashes (render sends them): not on the loop's clock.
+        prompts = [wl.next(tokens) for _ in range(decisions)]
+        hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
+        first, start, cpu0 = stored(), loop.time(), time.process_time()
         for k, prompt in enumerate(prompts):
             # Lateness: how long a decision that is due waits for the loop (the intake's batches,
             # the previous decision's learning); each waits ``interval_s`` after the last one ended.
             due = loop.time() + interval_s
             await asyncio.sleep(interval_s)
             began = loop.time()
-            req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256)
+            req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256, block_hashes=hashed[k])
             t0 = time.perf_counter()
-            req.block_hashes = block_hashes(prompt, BLOCK, hseed)
             assert sched.place(req) is not None
             took.append(time.perf_counter() - t0)
             late.append(max(0.0, began - due))
             loop.call_soon(sched.flush_learning)
         elapsed = loop.time() - start
+        cpu = (time.process_time() - cpu0) / elapsed   # share of a core this process used
         applied = stored() - first
         say(f"  {label}: decision p50 {_ms(took)['p50_ms']:.3f} ms, lateness p99 "
             f"{_ms(late)['p99_ms']:.2f} ms, {applied / elapsed:,.0f} blocks/s applied")
-        return {"decision": _ms(took), "lateness": _ms(late),
+        return {"decision": _ms(took), "lateness": _ms(late), "cpu_share": round(cpu, 3),
                 "blocks_applied_per_s": round(applied / elapsed)}
 
     say(f"kv intake: {engines} engines over ZMQ, {decisions} decisions at {tokens} tokens every "
@@ -277,4 +283,6 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
             "offered_blocks_per_s": round(offered), "published_blocks": sent1 - sent0,
             "idle": idle, "busy": busy, "gaps": gaps, "missed_batches": missed,
             "busy_vs_idle_decision_p50": round(busy["decision"]["p50_ms"] / idle["decision"]["p50_ms"], 2),
-            "busy_lateness_p99_ms": busy["lateness"]["p99_ms"]}
+            "busy_lateness_p99_ms": busy["lateness"]["p99_ms"],
+            "intake_cpu_us_per_block": round((busy["cpu_share"] - idle["cpu_share"]) * 1e6
+                                             / max(1, busy["blocks_applied_per_s"]), 2)}

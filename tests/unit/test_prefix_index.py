@@ -165,8 +165,8 @@ def test_galloping_match_equals_a_block_by_block_walk() -> None:
     every = set().union(*held.values())
     assert set(idx._owners) == every
     assert all(idx.owners(h) == {e for e in engines if h in held[e]} for h in every)
-    shared = [o for o in idx._owners.values() if isinstance(o, set)]
-    assert len(shared) == idx._shared > 0 and all(len(o) > 1 for o in shared)   # one owner: a name
+    shared = [o for o in idx._owners.values() if isinstance(o, tuple)]
+    assert len(shared) == idx._shared > 0 and all(len(set(o)) == len(o) > 1 for o in shared)   # one owner: a name
     for hashes in chains:
         for parent, child in itertools.pairwise(hashes):
             if child in idx._owners and parent in idx._owners:

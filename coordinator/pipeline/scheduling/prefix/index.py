@@ -21,13 +21,14 @@ from operator import eq, is_
 
 from coordinator.pipeline.scheduling.prefix.hashing import BlockHash
 
-_SET_BYTES = sys.getsizeof({"engine-a", "engine-b"})
+_SHARED_BYTES = sys.getsizeof(("engine-a", "engine-b"))
 _INT_BYTES = sys.getsizeof(2**62)
 
-# A block's owners: one engine's name (most blocks: a conversation lives on one engine) or a set of
-# several (shared system prompts). A name is no container, so millions of single-owner blocks cost
-# no set each, nothing to create in bulk learning and nothing for the garbage collector to walk.
-Owners = str | set[str]
+# A block's owners: one engine's name (most blocks: a conversation lives on one engine) or a tuple
+# of several (shared system prompts). Neither is a container the garbage collector keeps tracking
+# (it untracks tuples of strings), so millions of blocks cost no set each, nothing to create in
+# bulk learning, and the owner map itself stays untracked: a full collection does not walk it.
+Owners = str | tuple[str, ...]
 
 
 def _holds_all(owners: Owners | None, live: set[str]) -> bool:
@@ -35,7 +36,7 @@ def _holds_all(owners: Owners | None, live: set[str]) -> bool:
         return False
     if isinstance(owners, str):
         return len(live) == 1 and owners in live
-    return live <= owners
+    return live.issubset(owners)
 
 
 def _as_set(owners: Owners) -> set[str]:
@@ -49,7 +50,7 @@ class PrefixIndex:
         self._ttl = ttl_s
         self._clock = clock
         self._owners: dict[BlockHash, Owners] = {}
-        self._shared = 0  # blocks whose owners are a set (for ``approx_bytes``)
+        self._shared = 0  # blocks with several owners (for ``approx_bytes``)
         # engine → block → last use, in LRU order (a plain dict keeps insertion order; re-inserting
         # moves a block to the end). A chain is inserted tail first, so a block always sits behind
         # (is fresher than) its descendants: trimming and expiry take a chain's tail before its
@@ -79,7 +80,7 @@ class PrefixIndex:
         scrape: sizes of the containers, plus one owner set and one hash object per distinct block."""
         per_engine = sum(sys.getsizeof(b) for b in self._blocks.values())
         return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._leaves)
-                + len(self._owners) * _INT_BYTES + self._shared * _SET_BYTES)
+                + len(self._owners) * _INT_BYTES + self._shared * _SHARED_BYTES)
 
     def add(self, engine: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
@@ -144,10 +145,10 @@ class PrefixIndex:
     def _add_owner(self, h: BlockHash, owners: Owners, engine: str) -> None:
         if isinstance(owners, str):
             if owners != engine:
-                self._owners[h] = {owners, engine}
+                self._owners[h] = (owners, engine)
                 self._shared += 1
-        else:
-            owners.add(engine)
+        elif engine not in owners:
+            self._owners[h] = (*owners, engine)
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
@@ -208,7 +209,8 @@ class PrefixIndex:
                     matched[e] = n
                 return matched
             owners = get(hashes[bad])
-            still = live & _as_set(owners) if owners is not None else set()
+            still = live.intersection(_as_set(owners) if isinstance(owners, str) else owners) \
+                if owners is not None else set()
             for e in live - still:
                 matched[e] = bad
             if not still:
@@ -254,7 +256,7 @@ class PrefixIndex:
         deque(map(owners_of.__delitem__, alone), maxlen=0)
         self._leaves.difference_update(alone)
         if len(alone) < len(gone):
-            for h in compress(gone, map(is_, map(type, found), repeat(set))):
+            for h in compress(gone, map(is_, map(type, found), repeat(tuple))):
                 self._disown(h, engine)
 
     def _disown(self, h: BlockHash, engine: str) -> None:
@@ -264,13 +266,15 @@ class PrefixIndex:
         if isinstance(owners, str):
             if owners != engine:
                 return
-        else:
-            owners.discard(engine)
-            if len(owners) > 1:
+        elif engine in owners:
+            rest = tuple(o for o in owners if o != engine)
+            if len(rest) > 1:
+                self._owners[h] = rest
                 return
             self._shared -= 1
-            if owners:
-                self._owners[h] = owners.pop()
-                return
+            self._owners[h] = rest[0]
+            return
+        else:
+            return
         del self._owners[h]
         self._leaves.discard(h)
