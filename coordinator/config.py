@@ -271,7 +271,7 @@ class PrefixIndexSettings(_Section):
     )
     capacity_blocks: int = Field(
         default=200_000, ge=1, description="blocks remembered per engine (LRU; the index's memory is about "
-        "420 bytes a block): approximate: set it near the engine's real KV capacity in blocks; precise: "
+        "200 bytes a block): approximate: set it near the engine's real KV capacity in blocks; precise: "
         "only a bound on what lost KV events could leave behind"
     )
     ttl_s: float = Field(default=900.0, gt=0, description="approximate: forget blocks not used for this long")
