@@ -83,12 +83,13 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
     http = httpx.AsyncClient()
     aff = _scheduler(engines, "affinity", index, http, seed)
     rr = _scheduler(engines, "round_robin", None, http, seed)
-    parts: dict[str, list[float]] = {k: [] for k in ("decision", "hash", "decision_self_hashed", "match",
-                                                     "rest", "learn", "rr")}
+    names = ("decision", "decision_cpu", "hash", "decision_self_hashed", "match", "rest", "learn", "rr",
+             "rr_cpu")
+    parts: dict[str, list[float]] = {k: [] for k in names}
     matched: list[int] = []
     say(f"agent scale: {decisions} decisions per policy at {tokens} prompt tokens, interleaved")
     done = 0
-    wall = time.perf_counter_ns
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns  # CPU: what preemption does not inflate
     while done < decisions:
         n = min(chunk, decisions - done)
         for _ in range(n):
@@ -96,9 +97,9 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
             req = SchedRequest("a", MODEL, prompt, 256)
             a = wall()
             req.block_hashes = block_hashes(prompt, BLOCK, hseed)
-            b = wall()
+            b, cb = wall(), cpu()
             placed = aff.place(req)
-            c = wall()
+            c, cc = wall(), cpu()
             aff.flush_learning()
             d = wall()
             m0 = wall()
@@ -108,14 +109,16 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
             matched.append(placed.matched_tokens)
             parts["hash"].append((b - a) / 1e9)
             parts["decision"].append((c - b) / 1e9)            # hashes from render (our sidecar)
+            parts["decision_cpu"].append((cc - cb) / 1e9)
             parts["decision_self_hashed"].append((c - a) / 1e9)  # the coordinator hashes them itself
             parts["match"].append((m1 - m0) / 1e9)
             parts["rest"].append(max(0.0, (c - b - (m1 - m0)) / 1e9))
             parts["learn"].append((d - c) / 1e9)
         for _ in range(n):
             req = SchedRequest("r", MODEL, wl.next(tokens), 256)
-            a = wall()
+            a, ca = wall(), cpu()
             assert rr.place(req) is not None
+            parts["rr_cpu"].append((cpu() - ca) / 1e9)
             parts["rr"].append((wall() - a) / 1e9)
         done += n
         say(f"  {done}/{decisions}")

@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                 "target_rr_ratio": TARGET_RR_RATIO, "target_met": figures["target_met"],
                 "scale_engines": scale["engines"], "scale_tokens": scale["prompt_tokens"],
                 "scale_p50_ms": sp["decision"]["p50_ms"], "scale_p99_ms": sp["decision"]["p99_ms"],
+                "scale_cpu_p99_ms": sp["decision_cpu"]["p99_ms"], "scale_rr_p99_ms": sp["rr"]["p99_ms"],
                 "scale_self_hashed_p50_ms": sp["decision_self_hashed"]["p50_ms"],
                 "scale_learn_p50_ms": sp["learn"]["p50_ms"], "scale_rr_p50_ms": sp["rr"]["p50_ms"],
                 "scale_target_met": figures["scale_target_met"],
@@ -369,10 +370,12 @@ def _markdown(f: dict[str, Any]) -> str:
     sp = sc["parts"]
     split = ["| part | p50 ms | p90 ms | p99 ms |", "|---|---|---|---|"]
     names = {"decision": "**decision** (hashes from render: match + rest)",
+             "decision_cpu": "decision, thread CPU time (what preemption does not inflate)",
              "decision_self_hashed": "decision, the coordinator hashing (hash + match + rest)",
              "hash": "hash in the coordinator (once per request)",
              "match": "match (index + pending lessons)", "rest": "rest: filters, scorers, picker, metrics",
-             "learn": "learn (after the decision, batched)", "rr": "round_robin decision (no index)"}
+             "learn": "learn (after the decision, batched)", "rr": "round_robin decision (no index)",
+             "rr_cpu": "round_robin decision, thread CPU time"}
     for k, label in names.items():
         split.append(f"| {label} | {sp[k]['p50_ms']:.3f} | {sp[k]['p90_ms']:.3f} | {sp[k]['p99_ms']:.3f} |")
     scale_verdict = "met" if f["scale_target_met"] else "NOT met"

@@ -39,6 +39,26 @@ def _holds_all(owners: Owners | None, live: set[str]) -> bool:
     return live.issubset(owners)
 
 
+def _run_end(hashes: Sequence[BlockHash], lo: int, held: Callable[[BlockHash], bool]) -> int:
+    """The first depth past ``lo`` whose block is not ``held`` (``len(hashes)`` if all are), given
+    that ``hashes[lo]`` is and that what is held is a leading run: gallop, then bisect."""
+    good, step, bad = lo, 1, len(hashes)
+    while good + step < bad:
+        if held(hashes[good + step]):
+            good += step
+            step *= 2
+        else:
+            bad = good + step
+            break
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if held(hashes[mid]):
+            good = mid
+        else:
+            bad = mid
+    return bad
+
+
 def _as_set(owners: Owners) -> set[str]:
     return {owners} if isinstance(owners, str) else set(owners)
 
@@ -64,6 +84,10 @@ class PrefixIndex:
         # count) and leaves the set when it leaves the index.
         self._leaves: set[BlockHash] = set()
         self._expired_at = float("-inf")
+        # No indexed block was last used before this (a lower bound, exact right after a sweep):
+        # a sweep is due only once the TTL's cutoff passes it. Checking each engine's oldest block
+        # instead costs a scan: a dict used as an LRU keeps the slots it deleted at its front.
+        self._floor = float("inf")
 
     def blocks(self, engine: str) -> int:
         return len(self._blocks.get(engine, ()))
@@ -92,6 +116,8 @@ class PrefixIndex:
         if blocks is None:
             blocks = self._blocks[engine] = {}
         fresh = dict(zip(reversed(hashes), repeat(now)))  # tail first: see ``_blocks``
+        if now < self._floor:
+            self._floor = now
         held = fresh.keys() & blocks.keys()
         deque(map(blocks.__delitem__, held), maxlen=0)  # re-inserted below, at the fresh end
         blocks.update(fresh)
@@ -168,15 +194,17 @@ class PrefixIndex:
 
         An engine that holds block ``k`` of a chain holds every block before it (see ``_blocks``;
         vLLM too frees a request's blocks tail first, and a prefix no earlier than its tails), so
-        the depth where an engine's run ends is found by galloping and bisecting: O(log n) probes
-        per point where the set of engines still matching shrinks, not one per block. Each probe is
-        a C-level subset test. A hole inside a run (a lost KV event) can be skipped, which counts
-        the blocks after it as held: at worst one mis-scored decision."""
+        the depth where an engine's run ends is found by galloping and bisecting: O(log n) probes,
+        not one per block. First for all engines holding the first block at once (a C-level subset
+        test per probe: a shared system prompt ends for all of them at one depth), then for each
+        engine still matching on its own (a dict lookup per probe: a conversation held at several
+        depths by several engines ends at each). A hole inside a run (a lost KV event) can be
+        skipped, which counts the blocks after it as held: at worst one mis-scored decision."""
         if not hashes:
             return {}
         if self._ttl is not None:
             now = self._clock()
-            if now - self._expired_at >= min(1.0, self._ttl / 10):  # TTLs are minutes; sweep ~1/s
+            if now - self._ttl > self._floor and now - self._expired_at >= min(1.0, self._ttl / 10):
                 self._expired_at = now
                 self._expire(now)
         get = self._owners.get
@@ -184,45 +212,28 @@ class PrefixIndex:
         if not first:
             return {}
         live = _as_set(first)
-        matched: dict[str, int] = {}
         n = len(hashes)
-        lo = 0  # every live engine holds hashes[lo]
-        while True:
-            # Gallop: the last depth up to which every live engine still holds the chain.
-            good, step = lo, 1
-            bad = n
-            while good + step < n:
-                if _holds_all(get(hashes[good + step]), live):
-                    good += step
-                    step *= 2
-                else:
-                    bad = good + step
-                    break
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                if _holds_all(get(hashes[mid]), live):
-                    good = mid
-                else:
-                    bad = mid
-            if bad >= n:
-                for e in live:
-                    matched[e] = n
-                return matched
-            owners = get(hashes[bad])
-            still = live.intersection(_as_set(owners) if isinstance(owners, str) else owners) \
-                if owners is not None else set()
-            for e in live - still:
-                matched[e] = bad
-            if not still:
-                return matched
-            live, lo = still, bad
+        bad = _run_end(hashes, 0, lambda h: _holds_all(get(h), live))
+        if bad >= n:
+            return dict.fromkeys(live, n)
+        owners = get(hashes[bad])
+        still = live.intersection(_as_set(owners) if isinstance(owners, str) else owners) \
+            if owners is not None else set()
+        matched = dict.fromkeys(live - still, bad)
+        for e in still:
+            matched[e] = _run_end(hashes, bad, self._blocks[e].__contains__)
+        return matched
 
     def _expire(self, now: float) -> None:
         """Drop blocks unused for ``ttl_s``. Use moves a block to the end, so expired ones are at the
         front of each engine's order and this stops at the first fresh one."""
         assert self._ttl is not None
+        oldest, floor = now - self._ttl, float("inf")
         for engine, blocks in self._blocks.items():
-            self._drop_older(engine, blocks, now - self._ttl)
+            self._drop_older(engine, blocks, oldest)
+            if blocks:
+                floor = min(floor, next(iter(blocks.values())))
+        self._floor = floor
 
     def _trim(self, engine: str, blocks: dict[BlockHash, float], now: float) -> None:
         over = 0 if self.capacity_blocks is None else len(blocks) - self.capacity_blocks
