@@ -214,7 +214,7 @@ class RenderStage:
 
     def _plan(self, index: int, gr: dict[str, Any], ctx: RequestContext, requested: int | None,
               max_len: int) -> PromptPlan:
-        gr = dict(gr)
+        gr = dict(gr)  # becomes the plan's GenerateRequest; render's answer stays as it came
         ids: list[int] = gr["token_ids"]
         hashes = gr.pop("block_hashes", None)   # never sent on to the engine
         block = self._hash_block
@@ -248,7 +248,7 @@ class RenderStage:
         stop = sp.pop("stop", None) or []
         spec = StopSpec(tuple([stop] if isinstance(stop, str) else stop),
                         bool(sp.get("include_stop_str_in_output", False)), int(sp.get("min_tokens", 0)))
-        generate = dict(gr)
+        generate = gr  # a copy already (above)
         generate["sampling_params"] = sp
         return PromptPlan(index=index, generate=generate, prompt_token_ids=ids,
                           n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes)

@@ -6,8 +6,8 @@ precise source mirrors the engines' own KV events (evictions arrive as events; t
 only a safety bound against lost ones).
 
 Costs, because a 100k-token prompt is 6,250 blocks: ``match`` probes O(log n) blocks per engine
-group instead of walking every block; ``add`` does its per-block work in C (dict and set
-operations) and runs Python code only for blocks new to the engine or leaving it.
+group instead of walking every block; ``add`` and the removals do their per-block work in C (dict
+and set operations) and run Python code only for blocks shared between engines.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class PrefixIndex:
 
     def approx_bytes(self) -> int:
         """Estimated memory of the whole index (containers and hash objects), cheap enough for every
-        scrape: sizes of the containers, plus one owner set and one hash object per distinct block."""
+        scrape: sizes of the containers, one hash object per distinct block, one owner tuple per
+        shared block."""
         per_engine = sum(sys.getsizeof(b) for b in self._blocks.values())
         return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._leaves)
                 + len(self._owners) * _INT_BYTES + self._shared * _SHARED_BYTES)
@@ -178,16 +179,12 @@ class PrefixIndex:
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
-        if not blocks:
-            return
-        for h in hashes:
-            if blocks.pop(h, None) is not None:
-                self._disown(h, engine)
+        if blocks:
+            self._disown_all([h for h in hashes if blocks.pop(h, None) is not None], engine)
 
     def clear(self, engine: str) -> None:
         """The engine lost everything (restart, ``AllBlocksCleared``) or left the pool."""
-        for h in self._blocks.pop(engine, {}):
-            self._disown(h, engine)
+        self._disown_all(list(self._blocks.pop(engine, ())), engine)
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Leading blocks of ``hashes`` each engine holds (engines with no match are absent).
@@ -241,7 +238,7 @@ class PrefixIndex:
             gone = list(islice(blocks, over))
             deque(map(blocks.__delitem__, gone), maxlen=0)
             self._disown_all(gone, engine)
-        if self._ttl is not None:
+        if self._ttl is not None and now - self._ttl > self._floor:  # see ``_floor``
             self._drop_older(engine, blocks, now - self._ttl)
 
     def _drop_older(self, engine: str, blocks: dict[BlockHash, float], oldest: float) -> None:
@@ -272,20 +269,11 @@ class PrefixIndex:
 
     def _disown(self, h: BlockHash, engine: str) -> None:
         owners = self._owners.get(h)
-        if owners is None:
-            return
-        if isinstance(owners, str):
-            if owners != engine:
-                return
-        elif engine in owners:
+        if owners == engine:
+            del self._owners[h]
+            self._leaves.discard(h)
+        elif isinstance(owners, tuple) and engine in owners:
             rest = tuple(o for o in owners if o != engine)
-            if len(rest) > 1:
-                self._owners[h] = rest
-                return
-            self._shared -= 1
-            self._owners[h] = rest[0]
-            return
-        else:
-            return
-        del self._owners[h]
-        self._leaves.discard(h)
+            if len(rest) == 1:
+                self._shared -= 1
+            self._owners[h] = rest if len(rest) > 1 else rest[0]

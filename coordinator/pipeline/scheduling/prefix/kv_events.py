@@ -153,8 +153,9 @@ class KvEventMirror:
         self.block_size = block_size
         self.media = frozenset(media)
         self.stats = MirrorStats()
-        self._ours: dict[_Key, list[BlockHash]] = {}
-        self._depth: dict[_Key, int] = {}  # our blocks from the prompt's start through this engine block
+        # engine block → (our hashes of it, our blocks from the prompt's start through it: the depth a
+        # run continuing it starts at, which the chain's hash needs)
+        self._ours: dict[_Key, tuple[list[BlockHash], int]] = {}
         self._refs: dict[BlockHash, int] = {}
 
     @property
@@ -189,7 +190,6 @@ class KvEventMirror:
     def reset(self) -> None:
         """The engine's cache is gone (``AllBlocksCleared``, restart) or we stop listening."""
         self._ours.clear()
-        self._depth.clear()
         self._refs.clear()
         self.index.clear(self.engine)
 
@@ -204,12 +204,12 @@ class KvEventMirror:
                        self.block_size)
             return
         if ev.parent_block_hash is not None:
-            parent_ours = self._ours.get((group, ev.parent_block_hash))
-            if not parent_ours:
+            parent = self._ours.get((group, ev.parent_block_hash))
+            if parent is None or not parent[0]:
                 # Missed event, or a partial-tail entry whose parent sits inside an engine block.
                 self.stats.unknown_parent += 1
                 return
-            seed, start = parent_ours[-1], self._depth[(group, ev.parent_block_hash)]
+            seed, start = parent[0][-1], parent[1]
         else:
             first = ev.extra_keys[0] if ev.extra_keys else None
             seed, start = chain_seed(ev.lora_name or self.model, _cache_salt(first, ev.lora_name)), 0
@@ -226,10 +226,9 @@ class KvEventMirror:
             key = (group, eh)
             old = self._ours.get(key)
             if old is not None:  # re-reported (cache hit in "full" report mode): nothing new
-                self._release(old)
+                self._release(old[0])
             new = ours[i * per:(i + 1) * per]
-            self._ours[key] = new
-            self._depth[key] = start + (i + 1) * per
+            self._ours[key] = (new, start + (i + 1) * per)
             for h in new:
                 self._refs[h] = self._refs.get(h, 0) + 1
         self.stats.blocks_stored += n
@@ -240,11 +239,10 @@ class KvEventMirror:
         group = ev.group_idx or 0
         gone: list[BlockHash] = []
         for eh in ev.block_hashes:
-            ours = self._ours.pop((group, eh), None)
-            self._depth.pop((group, eh), None)
-            if ours is not None:
+            entry = self._ours.pop((group, eh), None)
+            if entry is not None:
                 self.stats.blocks_removed += 1
-                gone += self._release(ours)
+                gone += self._release(entry[0])
         if gone:
             self.index.remove(self.engine, gone)
 
