@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import statistics
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,21 +36,25 @@ from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
+from perf._report import pct
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = PrefixIndexSettings().block_size
 Say = Callable[[str], None]
 
 
-def _ms(samples_s: list[float]) -> dict[str, float]:
-    a = np.array(samples_s) * 1000
-    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p90_ms": round(float(np.percentile(a, 90)), 4),
-            "p99_ms": round(float(np.percentile(a, 99)), 4), "mean_ms": round(float(a.mean()), 4),
-            "n": len(samples_s)}
+def stats_ms(samples_s: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in samples_s]
+    return {"p50_ms": round(pct(ms, 50), 4), "p90_ms": round(pct(ms, 90), 4), "p99_ms": round(pct(ms, 99), 4),
+            "mean_ms": round(statistics.fmean(ms), 4), "n": len(ms)}
 
 
-def _scheduler(n_engines: int, policy: str, index: PrefixIndex | None, http: httpx.AsyncClient,
-               seed: int, pending: PrefixIndex | None = None) -> Scheduler:
+def bench_scheduler(n_engines: int, policy: str, index: PrefixIndex | None, http: httpx.AsyncClient,
+                    seed: int, pending: PrefixIndex | None = None) -> Scheduler:
+    """The production wiring (registry from ``Settings``, ``build_profile``, metrics) over
+    ``n_engines`` with static, seeded loads. ``index`` alone: the approximate source, learning;
+    with ``pending``: the precise one. As in the app, what a decision teaches the index is applied
+    after it; the caller does it with ``flush_learning`` (and times it apart)."""
     os.environ.pop("COORD_CONFIG", None)
     settings = Settings(engines=[EngineSettings(url=f"http://engine-{i}:8000") for i in range(n_engines)],
                         scheduling=SchedulingSettings(policy=policy))  # type: ignore[arg-type]
@@ -81,8 +86,8 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
         if n % max(1, engines // 8) == 0:
             say(f"  {n + 1}/{engines} engines filled ({time.perf_counter() - t0:.0f}s)")
     http = httpx.AsyncClient()
-    aff = _scheduler(engines, "affinity", index, http, seed)
-    rr = _scheduler(engines, "round_robin", None, http, seed)
+    aff = bench_scheduler(engines, "affinity", index, http, seed)
+    rr = bench_scheduler(engines, "round_robin", None, http, seed)
     names = ("decision", "decision_cpu", "hash", "decision_self_hashed", "match", "rest", "learn", "rr",
              "rr_cpu")
     parts: dict[str, list[float]] = {k: [] for k in names}
@@ -123,7 +128,7 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
         done += n
         say(f"  {done}/{decisions}")
     asyncio.run(http.aclose())
-    stats = {k: _ms(v) for k, v in parts.items()}
+    stats = {k: stats_ms(v) for k, v in parts.items()}
     blocks = [index.blocks(u) for u in urls]
     return {"engines": engines, "capacity_blocks": capacity, "prompt_tokens": tokens, "decisions": decisions,
             "parts": stats, "hit_share": round(sum(1 for m in matched if m > 0) / len(matched), 3),
@@ -227,7 +232,7 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
     http = httpx.AsyncClient()
     index = PrefixIndex(capacity_blocks=PrefixIndexSettings().capacity_blocks)
     pending = PrefixIndex(ttl_s=PrefixIndexSettings().pending_ttl_s)
-    sched = _scheduler(engines, "affinity", index, http, seed, pending=pending)
+    sched = bench_scheduler(engines, "affinity", index, http, seed, pending=pending)
     source = PreciseIndexSource(index, lambda url: MODEL, BLOCK)
     for i, ep in enumerate(endpoints):
         await source.attach(f"http://engine-{i}:8000", ep)
@@ -261,9 +266,9 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
         elapsed = loop.time() - start
         cpu = (time.process_time() - cpu0) / elapsed   # share of a core this process used
         applied = stored() - first
-        say(f"  {label}: decision p50 {_ms(took)['p50_ms']:.3f} ms, lateness p99 "
-            f"{_ms(late)['p99_ms']:.2f} ms, {applied / elapsed:,.0f} blocks/s applied")
-        return {"decision": _ms(took), "lateness": _ms(late), "cpu_share": round(cpu, 3),
+        say(f"  {label}: decision p50 {stats_ms(took)['p50_ms']:.3f} ms, lateness p99 "
+            f"{stats_ms(late)['p99_ms']:.2f} ms, {applied / elapsed:,.0f} blocks/s applied")
+        return {"decision": stats_ms(took), "lateness": stats_ms(late), "cpu_share": round(cpu, 3),
                 "blocks_applied_per_s": round(applied / elapsed)}
 
     say(f"kv intake: {engines} engines over ZMQ, {decisions} decisions at {tokens} tokens every "

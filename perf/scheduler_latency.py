@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import copy
 import gc
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -35,16 +34,13 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.config import EngineSettings, PrefixIndexSettings, SchedulingSettings, Settings
-from coordinator.observability.metrics import Metrics
-from coordinator.pipeline.admission.budget import TokenLedger
-from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.config import PrefixIndexSettings
 from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
-from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
-from perf._report import Progress, final_json, pct, save_figure, write_report
-from perf._scheduler_scale import agent_scale, kv_intake
+from coordinator.pipeline.scheduling.scheduler import Scheduler
+from perf._report import Progress, final_json, save_figure, write_report
+from perf._scheduler_scale import agent_scale, bench_scheduler, kv_intake, stats_ms
 
 NAME = "scheduler_latency"
 MODEL = "smollm2-135m-instruct"
@@ -125,13 +121,6 @@ class Variant:
     learn_s: list[float]
 
 
-def _settings(engines: int, source: str, policy: str, capacity: int) -> Settings:
-    os.environ.pop("COORD_CONFIG", None)
-    prefix = PrefixIndexSettings(source=source, capacity_blocks=capacity)  # type: ignore[arg-type]
-    return Settings(engines=[EngineSettings(url=f"http://engine-{i}:8000") for i in range(engines)],
-                    scheduling=SchedulingSettings(policy=policy, prefix=prefix))  # type: ignore[arg-type]
-
-
 def fill_index(engines: list[str], capacity: int, seed: int) -> tuple[PrefixIndex, list[IdArray]]:
     """Conversations of 1-2k tokens (1-3 turns each) added engine by engine until every engine holds
     ``capacity`` blocks; returns the index and the conversations (the pool requests continue)."""
@@ -151,24 +140,12 @@ def fill_index(engines: list[str], capacity: int, seed: int) -> tuple[PrefixInde
     return index, pool
 
 
-def build_variant(label: str, policy: str, source: str, n_engines: int, capacity: int,
-                  filled: PrefixIndex, pool: list[IdArray], seed: int,
-                  http: httpx.AsyncClient) -> Variant:
-    settings = _settings(n_engines, source, policy, capacity)
-    registry = EngineRegistry(settings, http)
-    loads = np.random.default_rng(seed + 1)
-    for e in registry.engines:   # static load so the load scorer has something to compare
-        e.inflight_tokens = int(loads.uniform(0, 0.6) * e.token_budget)
-        e.inflight_requests = max(1, e.inflight_tokens // 2500)
-    ledger = TokenLedger(None)
-    profile = build_profile(settings.scheduling, ledger.engine_room, None)
-    prefix = settings.scheduling.prefix
-    index = copy.deepcopy(filled) if prefix.source == "approximate" else None
-    # As in the app, what a decision teaches the index is applied after it (``soon``); here the bench
-    # applies it right after each timed decision and times it apart (``Variant.learn_s``).
-    scheduler = Scheduler(registry, profile, index=index, block_size=prefix.block_size,
-                          learn=prefix.source == "approximate", topology=settings.topology, metrics=Metrics(),
-                          defer=lambda work: None)
+def build_variant(label: str, policy: str, source: str, n_engines: int, filled: PrefixIndex,
+                  pool: list[IdArray], seed: int, http: httpx.AsyncClient) -> Variant:
+    """The learning the scheduler defers is applied right after each timed decision and timed apart
+    (``Variant.learn_s``)."""
+    index = copy.deepcopy(filled) if source == "approximate" else None
+    scheduler = bench_scheduler(n_engines, policy, index, http, seed)
     wl = Workload(seed)
     wl.pool = list(pool)
     return Variant(label, scheduler, wl, [], [], [], [])
@@ -191,12 +168,6 @@ def run_chunk(v: Variant, n: int, length: int) -> None:
         v.learn_s.append((t2 - t1) / 1e9)
         assert placement is not None
         v.matched.append(placement.matched_tokens)
-
-
-def stats_ms(samples_s: list[float]) -> dict[str, float]:
-    ms = [s * 1000 for s in samples_s]
-    return {"p50_ms": round(pct(ms, 50), 4), "p90_ms": round(pct(ms, 90), 4), "p99_ms": round(pct(ms, 99), 4),
-            "mean_ms": round(statistics.fmean(ms), 4), "n": len(ms)}
 
 
 def breakdown(index: PrefixIndex, engines: list[str], wl: Workload, n: int, length: int) -> dict[str, float]:
@@ -253,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     say(f"index filled: {sum(fill_blocks)} blocks, {len(pool)} conversations")
 
     http = httpx.AsyncClient()   # the registry wants one; nothing is probed here
-    variants = [build_variant(label, policy, source, args.engines, args.blocks, filled, pool, args.seed, http)
+    variants = [build_variant(label, policy, source, args.engines, filled, pool, args.seed, http)
                 for label, policy, source in VARIANTS]
     gc.collect()
 
