@@ -13,6 +13,8 @@ changes one thing in it: the FastAPI app vLLM builds gets routes placed before i
   on and its bounds, and the vLLM version, which the coordinator reads at start-up;
 * ``POST /v1/chat/completions/render`` and ``/v1/completions/render`` in front of vLLM's, adding
   the prompts' block hashes to the answer when the coordinator asks (``prefix_hashes.py``);
+* ``POST /v1/messages/chat`` and ``/v1/messages/count_tokens/chat``: an Anthropic Messages request
+  converted to chat by vLLM's converter, for the coordinator's ``/v1/messages`` (``messages.py``);
 
 and the cache's counters on the existing ``/metrics``. Routes rather than a middleware: vLLM's app
 has already built its middleware stack (request metrics, error handling) when we get it, and a route
@@ -35,6 +37,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from render_sidecar.messages import (
+    COUNT_TOKENS_CHAT_PATH,
+    MESSAGES_CHAT_PATH,
+    count_tokens_chat,
+    messages_chat,
+)
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
 from render_sidecar.sessions import SessionCache
 
@@ -172,7 +180,7 @@ def capabilities(state: Any, cache: SessionCache | None) -> dict[str, Any]:
 
 
 def install_routes(app: Any, cache: SessionCache | None) -> None:
-    """Put our two routes in front of vLLM's (the router tries routes in order at each request)."""
+    """Put our routes in front of vLLM's (the router tries routes in order at each request)."""
     routes = app.router.routes
     vllm_route = next((r for r in routes if getattr(r, "path", None) == DERENDER_CHAT_PATH
                        and "POST" in (getattr(r, "methods", None) or ())), None)
@@ -184,6 +192,8 @@ def install_routes(app: Any, cache: SessionCache | None) -> None:
         return JSONResponse(capabilities(app.state, cache))
 
     routes.insert(0, Route(CAPABILITIES_PATH, capabilities_route, methods=["GET"]))
+    routes.insert(0, Route(MESSAGES_CHAT_PATH, messages_chat, methods=["POST"]))
+    routes.insert(0, Route(COUNT_TOKENS_CHAT_PATH, count_tokens_chat, methods=["POST"]))
     routes.insert(0, Route(DERENDER_CHAT_PATH, CachedDerenderRoute(vllm_route.handle, app.state, cache),
                            methods=["POST"]))
     for path in RENDER_PATHS:

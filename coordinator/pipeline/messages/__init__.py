@@ -1,0 +1,2 @@
+"""Anthropic Messages on the chat path: the request converted to chat (``translate.py``), the chat
+output converted back (``convert.py``)."""

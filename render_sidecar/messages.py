@@ -1,0 +1,65 @@
+"""Anthropic Messages → OpenAI chat, converted by vLLM's own code, for the coordinator.
+
+The coordinator serves ``/v1/messages`` on its chat path (render, admission, scheduling, token-only
+engines, derender with the request's tools and parsers), so it needs the *chat form* of a Messages
+request, not only its tokens: derender reads ``tools``, ``tool_choice``, the stop strings and the
+sampling fields. vLLM's ``/v1/messages/render`` converts and renders but answers only the tokens.
+These two routes answer the conversion itself, made by vLLM's
+``AnthropicServingMessages.to_chat_completion_request`` with the render server's own
+``merge_inline_system`` setting, i.e. exactly what ``/v1/messages/render`` renders; rendering the
+answer on ``/v1/chat/completions/render`` gives ``/v1/messages/render``'s token ids (a test holds
+the two equal on a real sidecar).
+
+* ``POST /v1/messages/chat``: an ``AnthropicMessagesRequest`` → the ``ChatCompletionRequest`` JSON;
+* ``POST /v1/messages/count_tokens/chat``: an ``AnthropicCountTokensRequest`` → the same, without
+  sampling fields.
+
+Unset and ``null`` fields are left out of the answer (the coordinator treats ``null`` as unset). A
+body vLLM's models refuse is a 400 in vLLM's error shape, naming the first bad field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+MESSAGES_CHAT_PATH = "/v1/messages/chat"
+COUNT_TOKENS_CHAT_PATH = "/v1/messages/count_tokens/chat"
+
+
+def _error(message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param,
+                                   "code": 400}}, status_code=400)
+
+
+async def _convert(request: Request, *, count: bool) -> JSONResponse:
+    from pydantic import ValidationError
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    model: Any = AnthropicCountTokensRequest if count else AnthropicMessagesRequest
+    try:
+        parsed = model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        errors = exc.errors()
+        loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        what = errors[0]["msg"] if errors else "invalid request"
+        return _error(f"Invalid value for '{loc}': {what}" if loc else f"Invalid request: {what}",
+                      loc or None)
+    serving = getattr(request.app.state, "serving_render", None)
+    merge = bool(getattr(serving, "_merge_inline_system", False))
+    try:
+        chat = AnthropicServingMessages.to_chat_completion_request(parsed, merge_inline_system=merge)
+    except (ValueError, TypeError) as exc:  # e.g. a tool_removal naming an undeclared tool
+        return _error(str(exc), "messages")
+    return JSONResponse(chat.model_dump(mode="json", exclude_unset=True, exclude_none=True))
+
+
+async def messages_chat(request: Request) -> JSONResponse:
+    return await _convert(request, count=False)
+
+
+async def count_tokens_chat(request: Request) -> JSONResponse:
+    return await _convert(request, count=True)
