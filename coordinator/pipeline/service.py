@@ -113,7 +113,8 @@ class Pipeline:
             self.inflight -= 1
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Gone | None = None, record: Record | None = None) -> Served:
+                    gone: Gone | None = None, record: Record | None = None,
+                    operation: str | None = None) -> Served:
         """One client request, whatever the door: validate → render → admission → scheduling →
         generate → derender. Raises a ``PipelineError`` for the client, or ``ClientGone`` when ``gone``
         completes first (what was acquired is released either way). A streaming answer holds its
@@ -125,7 +126,7 @@ class Pipeline:
         own = record is None
         if record is None:
             record = self.observer.start("internal") if self.observer is not None else Record("internal")
-        record.request_id, record.operation = request_id, OPERATIONS.get(kind, kind)
+        record.request_id, record.operation = request_id, operation or OPERATIONS.get(kind, kind)
         current.set(record)  # for admission and engine aborts, here and in the tasks this request makes
         stack = contextlib.AsyncExitStack()
         if own:
@@ -155,11 +156,19 @@ class Pipeline:
             raise
         return Served(ctx, stream=session, _release=stack.aclose)
 
+    async def prompt_tokens(self, kind: Kind, body: Any, request_id: str) -> int:
+        """The prompt's token count as render makes it (a token-counting route): validated and
+        rendered, never queued, nothing sent to an engine."""
+        ctx = await self.begin(kind, body, request_id, admit=False)
+        return sum(p.prompt_tokens for p in ctx.prompts)
+
     async def begin(self, kind: Kind, body: Any, request_id: str | None,
-                    priority: int | None = None, record: Record | None = None) -> RequestContext:
+                    priority: int | None = None, record: Record | None = None, *,
+                    admit: bool = True) -> RequestContext:
         """Validate and render; after this the prompt token ids are known.
 
-        ``priority`` applies when the body has no ``priority`` (default 0)."""
+        ``priority`` applies when the body has no ``priority`` (default 0). ``admit=False``: skip
+        admission's early "queue full" refusal (nothing will be queued)."""
         body = validate_request(kind, body, strict=self._strict)
         entry = self.catalog.resolve(body.get("model"))
         body = {**body, "model": entry.name}
@@ -172,7 +181,7 @@ class Pipeline:
         if record is not None:
             ctx.record = record
             record.model, record.stream = ctx.model, stream
-        if self._early_refusal is not None:
+        if admit and self._early_refusal is not None:
             self._early_refusal(ctx.priority)
         started = time.perf_counter()
         await self._render(ctx, entry)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.api.body import json_depth_exceeds, parse_json
-from coordinator.api.openai.routes import client_request_id
+from coordinator.api.door import client_request_id
 from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamClientError
 from coordinator.pipeline.token_ids import check_client_ids, check_rendered
 from coordinator.pipeline.validation import validate_request

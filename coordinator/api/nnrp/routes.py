@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketState
 
 from coordinator.api.auth import ApiKeyCheck
+from coordinator.api.door import peer
 from coordinator.api.openai.errors import error_response
-from coordinator.api.openai.routes import peer
 from coordinator.api.shutdown import Drain
 from coordinator.config import Settings
 from coordinator.nnrp.profile import Manifest, ServingCapabilities, build_manifest

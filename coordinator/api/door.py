@@ -1,0 +1,155 @@
+"""One HTTP request through the pipeline, whatever API it speaks (OpenAI, Anthropic Messages).
+
+The doors differ only in how they check credentials, how a body becomes a pipeline request, and how
+answers, errors and streams are written (``Wire``); the request's life (its id, observation record,
+body limits, the race with a client that leaves, releasing a stream however it ends) is this one
+function, so a fix to it reaches every API.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Address
+
+from coordinator.api.body import read_json_body
+from coordinator.api.openai.sse import OwningStreamingResponse
+from coordinator.api.shutdown import RECORD_KEY
+from coordinator.config import Settings
+from coordinator.observability.record import Door, Record
+from coordinator.pipeline.context import Kind, RequestContext
+from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
+from coordinator.pipeline.native_route import ChunkStream
+from coordinator.pipeline.service import Pipeline
+
+log = logging.getLogger(__name__)
+
+OnError = Callable[[BaseException], None]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one API writes what the pipeline answers."""
+
+    error: Callable[[PipelineError, str | None], Response]
+    body: Callable[[dict[str, Any]], dict[str, Any]]          # the pipeline's JSON answer → the API's
+    stream: Callable[[ChunkStream, OnError, Record], AsyncIterator[bytes]]
+
+
+async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *, kind: Kind,
+                     operation: str, authorize: Callable[[Request], None], wire: Wire,
+                     prepare: Callable[[Any, str], Awaitable[Any]] | None = None) -> Response:
+    """``prepare(body, request_id)``: the API's body → the pipeline's (e.g. Messages → chat)."""
+    limits = settings.limits
+    request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
+    headers = {"X-Request-Id": request_id}
+    record = start_record(pipeline, "http", request_id=request_id, connection_id=peer(request.client),
+                          operation=operation)
+    request.scope[RECORD_KEY] = record  # the drain deadline records its cut as a 503 (api/shutdown.py)
+    try:
+        authorize(request)
+        body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
+                                    max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
+        if prepare is not None:
+            body = await prepare(body, request_id)
+        served = await pipeline.serve(
+            kind, body, request_id,
+            priority=header_priority(request.headers.get(settings.admission.priority_header)),
+            gone=lambda: _disconnected(request), record=record, operation=operation)
+    except PipelineError as exc:
+        record.fail(exc, exc.status)
+        record.finish()
+        return wire.error(exc, request_id)
+    except ClientGone:
+        record.gone()
+        record.finish()
+        return Response(status_code=499)
+    except BaseException as exc:
+        record.fail(exc) if isinstance(exc, Exception) else record.gone()
+        record.finish()
+        raise
+    headers.update(route_headers(served.ctx))
+    if served.stream is None:
+        record.transport = "http/json"
+        record.output_event()
+        record.complete()
+        record.finish()
+        assert served.response is not None
+        return JSONResponse(wire.body(served.response), headers=headers)
+    record.transport = "http/sse"
+
+    async def release() -> None:
+        """Release the stream, then end the record (a body that did not reach its end: client gone)."""
+        try:
+            await served.aclose()
+        finally:
+            if record.outcome in (None, "cancelled"):
+                record.gone()
+            record.finish()
+
+    def on_error(exc: BaseException) -> None:
+        if not isinstance(exc, PipelineError):
+            log.error("stream %s failed", request_id, exc_info=exc)
+        else:
+            log.warning("stream %s failed: %s", request_id, exc.message)
+
+    return OwningStreamingResponse(wire.stream(served.stream, on_error, record), release, headers)
+
+
+def start_record(pipeline: Pipeline, door: Door, **fields: Any) -> Record:
+    """A door's observation record, going to the pipeline's observer when it has one."""
+    observer = pipeline.observer
+    return observer.start(door, **fields) if observer is not None else Record(door, **fields)
+
+
+def peer(client: Address | None) -> str | None:
+    """The TCP peer as ``host:port`` (the record's connection id)."""
+    return f"{client.host}:{client.port}" if client is not None else None
+
+
+def route_headers(ctx: RequestContext) -> dict[str, str]:
+    """Say so when a request left the default path (render + token-only engines): the native route
+    (an engine's OpenAI API) and/or the local tokenizer (render was unavailable)."""
+    out: dict[str, str] = {}
+    if ctx.route != "tokens":
+        out["X-Coordinator-Route"] = ctx.route
+    if ctx.tokenizer_source != "render":
+        out["X-Tokenizer-Source"] = ctx.tokenizer_source
+    return out
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def client_request_id(header: str | None, max_length: int) -> str:
+    """The client's ``X-Request-Id`` when it is a plain token of sane length, else a fresh id.
+
+    It becomes part of the response ``id``, log lines and engine request ids, so anything that could
+    break those (spaces, quotes, control characters, megabytes) is replaced; the response header
+    always carries the id actually used."""
+    if header and len(header) <= max_length and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+async def _disconnected(request: Request) -> None:
+    """Completes when the client closes the connection (what ``Pipeline.serve`` races against)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def header_priority(value: str | None) -> int | None:
+    """The priority header as an integer (None when absent or blank); anything else is a 400."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"The priority header must be an integer, got {value!r}") from None
