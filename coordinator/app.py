@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from coordinator.api.admin import build_admin_router
+from coordinator.api.anthropic.routes import build_router as build_messages_router
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.metaserver import Metaserver
 from coordinator.api.nnrp.routes import build_nnrp_router
@@ -34,6 +35,7 @@ from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.obfuscating import build_engine_client
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
+from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
@@ -231,6 +233,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     install_handlers(app)
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
+    app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers))

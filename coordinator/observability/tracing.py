@@ -48,7 +48,8 @@ P = TypeVar("P")
 
 INSTALL_HINT = "pip install 'llm-coordinator[tracing]'"
 # gen_ai.operation.name (OpenTelemetry GenAI conventions) of the coordinator's operations.
-GEN_AI_OPERATIONS = {"chat.completions.create": "chat", "completions.create": "text_completion"}
+GEN_AI_OPERATIONS = {"chat.completions.create": "chat", "completions.create": "text_completion",
+                     "messages.create": "chat"}
 HTTP_PATHS = {"chat.completions.create": "/v1/chat/completions", "completions.create": "/v1/completions"}
 
 SHUTDOWN_WAIT_S = 3.0  # the longest shutdown waits for batched spans to reach the collector

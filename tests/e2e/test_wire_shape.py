@@ -257,3 +257,63 @@ def test_tool_call_stream_same_keys_as_native(tools: ToolStack) -> None:
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in native if c["choices"]), native
     assert_same_shape(tools.native_url, tools.coord_url, "/v1/chat/completions", body)
     assert_same_shape(tools.native_url, tools.coord_url, "/v1/chat/completions", {**body, **USAGE})
+
+
+# -- Anthropic Messages with tools ---------------------------------------------------------------------
+
+def _messages_call(city: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": _call(city)}
+
+
+TOOL_MESSAGES: dict[str, Any] = {
+    "model": SERVED, "temperature": 0, "max_tokens": 60,
+    "system": "You call tools. Answer every question with exactly one tool call.",
+    "tools": [{"name": "get_weather", "description": "Current weather in a city",
+               "input_schema": WEATHER_TOOL["function"]["parameters"]}],
+    "messages": [{"role": "user", "content": "Weather in Paris?"}, _messages_call("Paris"),
+                 {"role": "user", "content": "Weather in Rome?"}, _messages_call("Rome"),
+                 {"role": "user", "content": "Weather in Berlin?"}],
+}
+
+
+def _anthropic_events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    name = ""
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read().decode()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                out.append((name, json.loads(line[len("data: "):])))
+    return out
+
+
+def _collapsed(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Shape]]:
+    seq: list[tuple[str, Shape]] = []
+    for name, data in events:
+        if not seq or seq[-1] != (name, shape(data)):
+            seq.append((name, shape(data)))
+    return seq
+
+
+def test_messages_tool_use_same_as_native(tools: ToolStack) -> None:
+    native = post(tools.native_url + "/v1/messages", TOOL_MESSAGES)
+    assert [b["type"] for b in native["content"]][-1] == "tool_use", native  # the prompt still calls
+    ours = post(tools.coord_url + "/v1/messages", TOOL_MESSAGES)
+    assert shape(ours) == shape(native), f"native: {native}\nours: {ours}"
+    strip = [{k: v for k, v in b.items() if k != "id"} for b in ours["content"]]
+    assert strip == [{k: v for k, v in b.items() if k != "id"} for b in native["content"]]
+    assert ours["stop_reason"] == native["stop_reason"] == "tool_use" and ours["usage"] == native["usage"]
+
+
+def test_messages_tool_use_stream_same_as_native(tools: ToolStack) -> None:
+    native = _anthropic_events(tools.native_url + "/v1/messages", TOOL_MESSAGES)
+    ours = _anthropic_events(tools.coord_url + "/v1/messages", TOOL_MESSAGES)
+    assert _collapsed(ours) == _collapsed(native), f"native:\n{native}\nours:\n{ours}"
+
+    def args(events: list[tuple[str, dict[str, Any]]]) -> str:
+        return "".join(d["delta"].get("partial_json", "") for n, d in events if n == "content_block_delta")
+
+    assert args(ours) == args(native) != ""
+    assert "city" in json.loads(args(ours))

@@ -226,13 +226,23 @@ def test_a_failure_mid_stream_ends_it_with_an_error_and_feeds_the_breaker() -> N
     assert registry.engines[0].breaker.state == "open" and held(registry) == 0
 
 
-def test_responses_and_messages_are_404_with_an_openai_body() -> None:
+def test_responses_is_404_with_an_openai_body() -> None:
     client = TestClient(build_app(settings(EngineSettings(url="http://a"))))  # no lifespan: nothing starts
-    for path in ("/v1/responses", "/v1/messages"):
-        r = client.post(path, json={"model": MODEL, "input": "hi"})
-        assert r.status_code == 404
-        err = r.json()["error"]
-        assert err["type"] == "NotFoundError" and err["code"] == 404 and "not served" in err["message"]
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "NotFoundError" and err["code"] == 404 and "not served" in err["message"]
+
+
+def test_messages_without_a_render_sidecar_is_a_502_naming_it_in_anthropic_shape() -> None:
+    """The conversion needs the project's render sidecar; none answers here (nothing started)."""
+    client = TestClient(build_app(settings(EngineSettings(url="http://a"))))
+    r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 5,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 502
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+    assert "render sidecar" in body["error"]["message"]
 
 
 @pytest.mark.parametrize(("status", "body", "expected"), [

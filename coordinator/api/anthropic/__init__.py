@@ -1,0 +1,1 @@
+"""The Anthropic Messages front door (``/v1/messages``, ``/v1/messages/count_tokens``)."""
