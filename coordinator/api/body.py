@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from coordinator.pipeline.errors import BadRequest, RequestTimeout, RequestTooLarge
+
+# A UTF-16 surrogate written as an escape, or as (invalid) UTF-8 bytes, which ``json.loads`` lets
+# through. A lone one cannot be encoded again for render, so it was a 500; paired escapes
+# (``\ud83d\ude00``, how ``json.dumps`` writes an emoji) also match and pass the check below.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 async def read_json_body(chunks: AsyncIterator[bytes], *, max_bytes: int, max_depth: int,
@@ -39,6 +47,12 @@ def parse_json(raw: bytes, *, max_depth: int) -> Any:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
     if json_depth_exceeds(value, max_depth):
         raise _too_deep(max_depth)
+    if _SURROGATE.search(raw):
+        try:
+            msgspec.json.encode(value)
+        except UnicodeEncodeError:
+            raise BadRequest("Request body contains an unpaired UTF-16 surrogate (\\ud800-\\udfff); "
+                             "strings must be valid Unicode") from None
     return value
 
 

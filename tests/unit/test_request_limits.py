@@ -178,3 +178,17 @@ def test_empty_stream_options_and_zero_top_logprobs_are_accepted_as_native_does(
         validate_request("chat", {**CHAT, "top_logprobs": 2}, strict=True)
     with pytest.raises(BadRequest):
         validate_request("chat", {**CHAT, "stream_options": {"include_usage": True}}, strict=True)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "\\udc80"}]}',          # a lone escaped surrogate
+    b'{"messages": [{"role": "user", "content": "\xed\xb2\x80"}]}',     # one written as UTF-8 bytes
+])
+def test_an_unpaired_surrogate_is_a_400_not_a_500(raw: bytes) -> None:
+    """It used to pass parsing and fail re-encoding for render (UnicodeEncodeError → 500)."""
+    with pytest.raises(BadRequest, match="surrogate"):
+        parse_json(raw, max_depth=32)
+
+
+def test_a_paired_surrogate_escape_is_the_character_it_spells() -> None:
+    assert parse_json(b'{"c": "\\ud83d\\ude00"}', max_depth=32) == {"c": "\U0001F600"}
