@@ -19,6 +19,7 @@ from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.metaserver import Metaserver
 from coordinator.api.nnrp.routes import build_nnrp_router
 from coordinator.api.openai.errors import install_handlers
+from coordinator.api.openai.responses import build_router as build_responses_router
 from coordinator.api.openai.routes import build_router
 from coordinator.api.shutdown import install_drain
 from coordinator.config import Settings
@@ -38,6 +39,7 @@ from coordinator.pipeline.local_tokenizer import LocalTokenizers
 from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.responses.translate import ResponsesTranslator
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
@@ -234,6 +236,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     auth = ApiKeyCheck(settings.server.api_keys)
     app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
+    app.include_router(build_responses_router(c.pipeline, ResponsesTranslator(c.sidecar), auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers))

@@ -29,31 +29,42 @@ MESSAGES_CHAT_PATH = "/v1/messages/chat"
 COUNT_TOKENS_CHAT_PATH = "/v1/messages/count_tokens/chat"
 
 
-def _error(message: str, param: str | None = None) -> JSONResponse:
+def bad_request(message: str, param: str | None = None) -> JSONResponse:
+    """A 400 in vLLM's error shape."""
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param,
                                    "code": 400}}, status_code=400)
 
 
-async def _convert(request: Request, *, count: bool) -> JSONResponse:
+def parse(model: Any, raw: bytes) -> Any:
+    """``raw`` validated by one of vLLM's request models, or a 400 naming the first bad field."""
     from pydantic import ValidationError
-    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
-    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-    model: Any = AnthropicCountTokensRequest if count else AnthropicMessagesRequest
     try:
-        parsed = model.model_validate_json(await request.body())
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors()
         loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
         what = errors[0]["msg"] if errors else "invalid request"
-        return _error(f"Invalid value for '{loc}': {what}" if loc else f"Invalid request: {what}",
-                      loc or None)
+        return bad_request(f"Invalid value for '{loc}': {what}" if loc else f"Invalid request: {what}",
+                           loc or None)
+    except ValueError as exc:  # a model validator's own refusal (vLLM raises VLLMValidationError)
+        return bad_request(str(exc), getattr(exc, "parameter", None))
+
+
+async def _convert(request: Request, *, count: bool) -> JSONResponse:
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    model: Any = AnthropicCountTokensRequest if count else AnthropicMessagesRequest
+    parsed = parse(model, await request.body())
+    if isinstance(parsed, JSONResponse):
+        return parsed
     serving = getattr(request.app.state, "serving_render", None)
     merge = bool(getattr(serving, "_merge_inline_system", False))
     try:
         chat = AnthropicServingMessages.to_chat_completion_request(parsed, merge_inline_system=merge)
     except (ValueError, TypeError) as exc:  # e.g. a tool_removal naming an undeclared tool
-        return _error(str(exc), "messages")
+        return bad_request(str(exc), "messages")
     return JSONResponse(chat.model_dump(mode="json", exclude_unset=True, exclude_none=True))
 
 

@@ -15,6 +15,9 @@ changes one thing in it: the FastAPI app vLLM builds gets routes placed before i
   the prompts' block hashes to the answer when the coordinator asks (``prefix_hashes.py``);
 * ``POST /v1/messages/chat`` and ``/v1/messages/count_tokens/chat``: an Anthropic Messages request
   converted to chat by vLLM's converter, for the coordinator's ``/v1/messages`` (``messages.py``);
+* ``POST /v1/responses/chat``: an OpenAI Responses request as the chat request vLLM's Responses
+  render renders, plus vLLM's response object for it, for the coordinator's ``/v1/responses``
+  (``responses.py``);
 
 and the cache's counters on the existing ``/metrics``. Routes rather than a middleware: vLLM's app
 has already built its middleware stack (request metrics, error handling) when we get it, and a route
@@ -44,6 +47,7 @@ from render_sidecar.messages import (
     messages_chat,
 )
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
+from render_sidecar.responses import RESPONSES_CHAT_PATH, responses_chat
 from render_sidecar.sessions import SessionCache
 
 CAPABILITIES_PATH = "/derender/capabilities"
@@ -194,6 +198,7 @@ def install_routes(app: Any, cache: SessionCache | None) -> None:
     routes.insert(0, Route(CAPABILITIES_PATH, capabilities_route, methods=["GET"]))
     routes.insert(0, Route(MESSAGES_CHAT_PATH, messages_chat, methods=["POST"]))
     routes.insert(0, Route(COUNT_TOKENS_CHAT_PATH, count_tokens_chat, methods=["POST"]))
+    routes.insert(0, Route(RESPONSES_CHAT_PATH, responses_chat, methods=["POST"]))
     routes.insert(0, Route(DERENDER_CHAT_PATH, CachedDerenderRoute(vllm_route.handle, app.state, cache),
                            methods=["POST"]))
     for path in RENDER_PATHS:

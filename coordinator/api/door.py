@@ -36,17 +36,27 @@ OnError = Callable[[BaseException], None]
 
 @dataclass(frozen=True)
 class Wire:
-    """How one API writes what the pipeline answers."""
+    """How one API writes what the pipeline answers (``RequestContext``: the served request)."""
 
     error: Callable[[PipelineError, str | None], Response]
-    body: Callable[[dict[str, Any]], dict[str, Any]]          # the pipeline's JSON answer → the API's
-    stream: Callable[[ChunkStream, OnError, Record], AsyncIterator[bytes]]
+    body: Callable[[dict[str, Any], RequestContext], dict[str, Any]]  # pipeline's JSON answer → the API's
+    stream: Callable[[ChunkStream, OnError, Record, RequestContext], AsyncIterator[bytes]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` may answer when the answer's writing depends on the request (Responses echoes
+    the request's fields): the pipeline's body and the wire for this one request."""
+
+    body: Any
+    wire: Wire
 
 
 async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *, kind: Kind,
                      operation: str, authorize: Callable[[Request], None], wire: Wire,
                      prepare: Callable[[Any, str], Awaitable[Any]] | None = None) -> Response:
-    """``prepare(body, request_id)``: the API's body → the pipeline's (e.g. Messages → chat)."""
+    """``prepare(body, request_id)``: the API's body → the pipeline's (e.g. Messages → chat), or a
+    ``Prepared`` with the wire to write this request's answer with."""
     limits = settings.limits
     request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
     headers = {"X-Request-Id": request_id}
@@ -59,6 +69,8 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
                                     max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
         if prepare is not None:
             body = await prepare(body, request_id)
+            if isinstance(body, Prepared):
+                body, wire = body.body, body.wire
         served = await pipeline.serve(
             kind, body, request_id,
             priority=header_priority(request.headers.get(settings.admission.priority_header)),
@@ -82,7 +94,7 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         record.complete()
         record.finish()
         assert served.response is not None
-        return JSONResponse(wire.body(served.response), headers=headers)
+        return JSONResponse(wire.body(served.response, served.ctx), headers=headers)
     record.transport = "http/sse"
 
     async def release() -> None:
@@ -100,7 +112,7 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         else:
             log.warning("stream %s failed: %s", request_id, exc.message)
 
-    return OwningStreamingResponse(wire.stream(served.stream, on_error, record), release, headers)
+    return OwningStreamingResponse(wire.stream(served.stream, on_error, record, served.ctx), release, headers)
 
 
 def start_record(pipeline: Pipeline, door: Door, **fields: Any) -> Record:

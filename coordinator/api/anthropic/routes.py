@@ -75,7 +75,8 @@ async def message_events(session: ChunkStream, on_error: OnError, record: Record
 def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKeyCheck,
                  settings: Settings) -> APIRouter:
     router = APIRouter()
-    wire = Wire(error=error_response, body=to_message, stream=message_events)
+    wire = Wire(error=error_response, body=lambda chat, _: to_message(chat),
+                stream=lambda session, on_error, record, _: message_events(session, on_error, record))
 
     def authorize(request: Request) -> None:
         """Anthropic clients send ``x-api-key``; ``Authorization: Bearer`` works too."""

@@ -20,7 +20,8 @@ from coordinator.pipeline.service import OPERATIONS, Pipeline
 
 def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> APIRouter:
     router = APIRouter()
-    wire = Wire(error=error_response, body=lambda response: response, stream=sse_body)
+    wire = Wire(error=error_response, body=lambda response, _: response,
+                stream=lambda session, on_error, record, _: sse_body(session, on_error, record))
 
     def authorize(request: Request) -> None:
         auth(request.headers.get("authorization"))
@@ -36,13 +37,6 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle("completion", request)
-
-    @router.post("/v1/responses")
-    async def not_served(request: Request) -> Response:
-        """Responses is not served yet (docs/openai-api.md): a clear 404."""
-        return error_response(PipelineError(
-            f"{request.url.path} is not served by this coordinator; use /v1/chat/completions, "
-            f"/v1/completions or /v1/messages", status=404, type="NotFoundError"))
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.chat_form import convert_on_sidecar, in_client_terms
+from coordinator.pipeline.errors import PipelineError, UpstreamUnavailable
 from coordinator.pipeline.sidecar import SidecarClient
 
 MESSAGES_CHAT_PATH = "/v1/messages/chat"
@@ -43,13 +44,7 @@ class MessagesTranslator:
         return await self._convert(COUNT_TOKENS_CHAT_PATH, body, request_id)
 
     async def _convert(self, path: str, body: Any, request_id: str) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise BadRequest("Request body must be a JSON object")
-        try:
-            chat = await self._sidecar.post(path, body, request_id=request_id, stage="render")
-        except (UpstreamUnavailable, UpstreamTimeout) as exc:
-            raise type(exc)(f"/v1/messages needs the coordinator's render sidecar (render_sidecar), which "
-                            f"converts Messages requests with vLLM's converter: {exc.message}") from exc
+        chat = await convert_on_sidecar(self._sidecar, path, body, request_id, api="/v1/messages")
         if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
             raise UpstreamUnavailable("render sidecar returned an unexpected Messages conversion")
         return chat
@@ -57,12 +52,4 @@ class MessagesTranslator:
 
 def in_messages_terms(exc: PipelineError) -> PipelineError:
     """A chat-path refusal of a converted request, naming the Messages field the client wrote."""
-    if exc.param is None:
-        return exc
-    root = exc.param.split(".", 1)[0].split("[", 1)[0]
-    mapped = MESSAGES_PARAMS.get(root)
-    if mapped is None or mapped == root:
-        return exc
-    exc.message = exc.message.replace(f"'{root}'", f"'{mapped}'")
-    exc.param = mapped + exc.param[len(root):]
-    return exc
+    return in_client_terms(exc, MESSAGES_PARAMS)

@@ -1,0 +1,1 @@
+"""OpenAI Responses on the chat path: the request's chat form (``translate``) and its output (``convert``)."""
