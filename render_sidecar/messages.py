@@ -43,12 +43,27 @@ def parse(model: Any, raw: bytes) -> Any:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         errors = exc.errors()
-        loc = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+        loc = errors[0]["loc"] if errors else ()
         what = errors[0]["msg"] if errors else "invalid request"
-        return bad_request(f"Invalid value for '{loc}': {what}" if loc else f"Invalid request: {what}",
-                           loc or None)
+        field = _param(loc)
+        return bad_request(f"Invalid value for '{field}': {what}" if field else f"Invalid request: {what}",
+                           field or None)
     except ValueError as exc:  # a model validator's own refusal (vLLM raises VLLMValidationError)
         return bad_request(str(exc), getattr(exc, "parameter", None))
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """The client's field in OpenAI's spelling (``tools[0]``): the top-level name and the list indexes
+    right after it; pydantic's further steps name union members (``str``, ``FunctionTool``), which
+    are no field of the request."""
+    if not loc:
+        return ""
+    out = str(loc[0])
+    for step in loc[1:]:
+        if not isinstance(step, int):
+            break
+        out += f"[{step}]"
+    return out
 
 
 async def _convert(request: Request, *, count: bool) -> JSONResponse:

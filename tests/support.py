@@ -49,6 +49,14 @@ def streamed_text(events: list[Any], kind: str = "chat") -> dict[int, str]:
     return texts
 
 
+def generate_calls(engine_url: str) -> float:
+    """A real vLLM engine's own count of answered ``/inference/v1/generate`` calls (its /metrics):
+    proof that a request took the token route."""
+    text = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("http_requests_total{") and 'handler="/inference/v1/generate"' in line)
+
+
 def refused(url: str) -> bool:
     """True when a new connection to the server at ``url`` is refused (its listener is closed)."""
     try:

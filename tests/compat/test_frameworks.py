@@ -50,3 +50,16 @@ def test_litellm_completion_stream_and_not(compat_coord: CoordinatorServer) -> N
         assert usage["completion_tokens"] > 0
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert out["stream_usage"]["completion_tokens"] == out["usage"]["completion_tokens"]
+
+
+def test_langchain_chat_openai_on_the_responses_api(compat_coord: CoordinatorServer) -> None:
+    """LangChain's Responses mode: a greedy answer, the same answer streamed, and a follow-up turn whose
+    history holds LangChain's own Responses output items."""
+    out = _drive("langchain_responses_client.py", compat_coord)
+    assert "Paris" in out["invoke"]
+    assert out["invoke_id"].startswith("resp_") and out["invoke_status"] == "completed"
+    usage = out["invoke_usage"]
+    assert usage["output_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert out["stream_chunks"] > 1, "the answer did not arrive as a stream"
+    assert out["stream_text"] == out["invoke"]
+    assert "Rome" in out["follow_up"]

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import SERVED, VllmStack, make_settings
 from tests.e2e.test_wire_shape import shape
-from tests.support import CoordinatorServer
+from tests.support import CoordinatorServer, generate_calls
 
 pytestmark = pytest.mark.e2e
 
@@ -103,11 +103,15 @@ def test_count_tokens_equals_native(vllm_stack: VllmStack, coord: CoordinatorSer
 
 
 def test_served_through_the_token_only_engine(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
-    """The engine behind the coordinator serves token ids only: it cannot answer /v1/messages itself."""
+    """The engine behind the coordinator serves token ids only: it cannot answer /v1/messages itself;
+    the coordinator's answers (JSON and stream) each cost it one token-route generate call."""
     direct = httpx.post(f"{vllm_stack.engine.url}/v1/messages", json=QUESTION, timeout=60)
     assert direct.status_code != 200   # vLLM 0.32 --tokens-only: 500, it has no Messages handler
+    before = generate_calls(vllm_stack.engine.url)
     r = httpx.post(f"{coord.url}/v1/messages", json=QUESTION, timeout=300)
     assert r.status_code == 200 and "x-coordinator-route" not in r.headers
+    assert text_of(events(f"{coord.url}/v1/messages", QUESTION)) != ""
+    assert generate_calls(vllm_stack.engine.url) - before == 2
 
 
 def test_client_errors_in_anthropic_shape(coord: CoordinatorServer) -> None:

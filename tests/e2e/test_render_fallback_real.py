@@ -242,7 +242,17 @@ def test_engines_without_the_token_route_fall_back_to_the_native_route(
         assert_nothing_held(coord)
 
 
-def test_responses_is_not_served(normal: CoordinatorServer) -> None:
-    r = httpx.post(f"{normal.url}/v1/responses", json={"model": SERVED, "input": "hi"}, timeout=10)
-    assert r.status_code == 404
-    assert r.json()["error"]["type"] == "NotFoundError" and "not served" in r.json()["error"]["message"]
+def test_responses_and_messages_need_the_render_sidecar(
+        vllm_stack: VllmStack, model_dir: Path, coordinator_factory: CoordinatorFactory) -> None:
+    """The fallback covers chat and completions only (docs/responses-api.md, docs/anthropic-api.md):
+    with render down, Responses and Messages answer a 502 naming the sidecar in their own error shape,
+    and nothing reaches an engine."""
+    coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], engines=engines(vllm_stack),
+                                models=models(model_dir))
+    r = httpx.post(f"{coord.url}/v1/responses", json={"model": SERVED, "input": "hi"}, timeout=30)
+    assert r.status_code == 502 and "render sidecar" in r.json()["error"]["message"], r.text
+    m = httpx.post(f"{coord.url}/v1/messages", timeout=30,
+                   json={"model": SERVED, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert m.status_code == 502 and m.json()["error"]["type"] == "api_error", m.text
+    assert route_of(ask(coord, "/v1/chat/completions", chat())) == ("native", "local")  # the fallback is up
+    assert_nothing_held(coord)

@@ -317,3 +317,49 @@ def test_messages_tool_use_stream_same_as_native(tools: ToolStack) -> None:
 
     assert args(ours) == args(native) != ""
     assert "city" in json.loads(args(ours))
+
+
+# -- OpenAI Responses with tools --------------------------------------------------------------------
+
+TOOL_RESPONSES: dict[str, Any] = {
+    "model": SERVED, "temperature": 0, "max_output_tokens": 60,
+    "instructions": "You call tools. Answer every question with exactly one tool call.",
+    "tools": [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+               "parameters": WEATHER_TOOL["function"]["parameters"]}],
+    "input": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": _call("Paris")},
+              {"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": _call("Rome")},
+              {"role": "user", "content": "Weather in Berlin?"}],
+}
+
+
+def _without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in ("id", "created_at", "item_id")}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def test_responses_function_call_same_as_native(tools: ToolStack) -> None:
+    native = post(tools.native_url + "/v1/responses", TOOL_RESPONSES)
+    assert [i["type"] for i in native["output"]][-1] == "function_call", native  # the prompt still calls
+    ours = post(tools.coord_url + "/v1/responses", TOOL_RESPONSES)
+    assert shape(ours) == shape(native), f"native: {native}\nours: {ours}"
+    # call_id too: both take the parser's id of the call
+    assert [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in ours["output"]] == [
+        {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in native["output"]]
+    assert _without_ids(ours)["usage"] == _without_ids(native)["usage"]
+    assert json.loads(ours["output"][-1]["arguments"]) == {"city": "Berlin"}
+
+
+def test_responses_function_call_stream_same_as_native(tools: ToolStack) -> None:
+    native = _anthropic_events(tools.native_url + "/v1/responses", TOOL_RESPONSES)
+    ours = _anthropic_events(tools.coord_url + "/v1/responses", TOOL_RESPONSES)
+    assert _collapsed(ours) == _collapsed(native), f"native:\n{native}\nours:\n{ours}"
+
+    def args(events: list[tuple[str, dict[str, Any]]]) -> str:
+        return "".join(d["delta"] for n, d in events if n == "response.function_call_arguments.delta")
+
+    assert args(ours) == args(native) != ""
+    done = ours[-1][1]["response"]
+    assert done["output"][-1]["arguments"] == args(ours) and done["status"] == "completed"

@@ -226,12 +226,14 @@ def test_a_failure_mid_stream_ends_it_with_an_error_and_feeds_the_breaker() -> N
     assert registry.engines[0].breaker.state == "open" and held(registry) == 0
 
 
-def test_responses_is_404_with_an_openai_body() -> None:
+def test_responses_without_a_render_sidecar_is_a_502_naming_it_with_an_openai_body() -> None:
+    """The conversion needs the project's render sidecar; none answers here (nothing started)."""
     client = TestClient(build_app(settings(EngineSettings(url="http://a"))))  # no lifespan: nothing starts
     r = client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
-    assert r.status_code == 404
+    assert r.status_code == 502
     err = r.json()["error"]
-    assert err["type"] == "NotFoundError" and err["code"] == 404 and "not served" in err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 502
+    assert "/v1/responses needs the coordinator's render sidecar" in err["message"]
 
 
 def test_messages_without_a_render_sidecar_is_a_502_naming_it_in_anthropic_shape() -> None:

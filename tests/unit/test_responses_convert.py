@@ -23,9 +23,8 @@ events_mod = pytest.importorskip("vllm.entrypoints.openai.responses.streaming_ev
 utils_mod = pytest.importorskip("vllm.entrypoints.openai.responses.utils")
 from openai.types.responses.tool import Tool  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
-from vllm.entrypoints.generate.base.protocol import FunctionCall  # noqa: E402
+from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall  # noqa: E402
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionLogProbs  # noqa: E402
-from vllm.entrypoints.generate.base.protocol import DeltaMessage  # noqa: E402
 from vllm.tool_parsers.utils import build_responses_tool_call_name_map  # noqa: E402
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
