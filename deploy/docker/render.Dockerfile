@@ -19,7 +19,8 @@ ENV HF_HUB_OFFLINE=1 \
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/render --shell /usr/sbin/nologin render
 # Only the server modules of render_sidecar/ (the launcher needs the rest of the project).
 COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
-     render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py /opt/llmc/render_sidecar/
+     render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py \
+     render_sidecar/responses.py /opt/llmc/render_sidecar/
 # The coordinator's block hash, so both hash alike (a namespace package: no __init__ needed)
 COPY coordinator/pipeline/scheduling/prefix/hashing.py /opt/llmc/coordinator/pipeline/scheduling/prefix/
 ENV PYTHONPATH=/opt/llmc

@@ -46,7 +46,8 @@ FROM vllm-cpu AS render
 LABEL org.opencontainers.image.title="llm-coordinator-render"
 USER root
 COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
-     render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py /opt/llmc/render_sidecar/
+     render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py \
+     render_sidecar/responses.py /opt/llmc/render_sidecar/
 # The coordinator's block hash, so both hash alike (a namespace package: no __init__ needed)
 COPY coordinator/pipeline/scheduling/prefix/hashing.py /opt/llmc/coordinator/pipeline/scheduling/prefix/
 ENV PYTHONPATH=/opt/llmc

@@ -90,7 +90,8 @@ def test_the_render_images_copy_every_module_the_server_imports() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    shipped = {"__init__.py", "server.py", "stream_cache.py", "sessions.py", "prefix_hashes.py", "messages.py"}
+    shipped = {"__init__.py", "server.py", "stream_cache.py", "sessions.py", "prefix_hashes.py", "messages.py",
+               "responses.py"}
     hashing = "coordinator/pipeline/scheduling/prefix/hashing.py"   # the one coordinator module shipped
     for dockerfile in ("render.Dockerfile", "vllm-cpu.Dockerfile"):
         text = (root / "deploy" / "docker" / dockerfile).read_text()
