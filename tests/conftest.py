@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coordinator.config import EngineSettings, ModelSettings, Settings
-from tests.support import CoordinatorServer, free_port
+from tests.support import CoordinatorServer, free_port, reserved_port
 
 SERVED = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 2048
@@ -94,7 +94,7 @@ def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) 
     """
     from token_engine.launch import VllmEngine
 
-    events = [free_port(), free_port()]
+    events = [reserved_port(), reserved_port()]  # ZMQ binds them on every interface
 
     def kv_events(port: int) -> dict[str, Any]:
         # "tcp://*:PORT": the engine binds and subscribers connect (vLLM's publisher rule).

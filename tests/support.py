@@ -49,6 +49,31 @@ def streamed_text(events: list[Any], kind: str = "chat") -> dict[int, str]:
     return texts
 
 
+def reserved_port() -> int:
+    """A port below the kernel's ephemeral range, free on every interface.
+
+    vLLM processes booting side by side take ephemeral ports for their internal ZMQ sockets; a port
+    picked by ``free_port`` (an ephemeral one, released at once) can be handed to one of them before
+    the process it was meant for binds it, and a retry with the same flags then fails the same way.
+    Ports below the range are never handed out implicitly, so only an explicit bind can take them."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randint(max(1025, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 def generate_calls(engine_url: str) -> float:
     """A real vLLM engine's own count of answered ``/inference/v1/generate`` calls (its /metrics):
     proof that a request took the token route."""
