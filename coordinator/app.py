@@ -239,7 +239,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     app.include_router(build_responses_router(c.pipeline, ResponsesTranslator(c.sidecar), auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
-                                             parsers=c.derender_parsers))
+                                             parsers=c.derender_parsers, models=c.pipeline.catalog.model_list,
+                                             responses=ResponsesTranslator(c.sidecar)))
     accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
                             lambda: c.registry.engines, c.native.client if c.native is not None else None,
                             trigger=c.trigger)

@@ -18,7 +18,13 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 
 from coordinator.nnrp import frames as F
-from coordinator.nnrp.profile import CHAT_COMPLETIONS_CREATE, SCHEMA_VERSION, TERMINAL_EVENT_TYPES
+from coordinator.nnrp.profile import (
+    CHAT_COMPLETIONS_CREATE,
+    MODELS_LIST,
+    RESPONSES_CREATE,
+    SCHEMA_VERSION,
+    TERMINAL_EVENT_TYPES,
+)
 
 _END = object()
 
@@ -140,6 +146,21 @@ class NnrpClient:
         """``chat.completions.create`` with ``body``; other envelope members (policy, …) as keywords."""
         return await self.submit({"schema_version": SCHEMA_VERSION, "operation": CHAT_COMPLETIONS_CREATE,
                                   "body": body, **envelope}, op_id=op_id, credits=credits)
+
+    async def responses(self, body: dict[str, Any], *, op_id: str | None = None, credits: int | None = None,
+                        **envelope: Any) -> Operation:
+        """``responses.create`` with ``body`` (a ``/v1/responses`` request); envelope members as keywords."""
+        return await self.submit({"schema_version": SCHEMA_VERSION, "operation": RESPONSES_CREATE,
+                                  "body": body, **envelope}, op_id=op_id, credits=credits)
+
+    async def models(self) -> dict[str, Any]:
+        """``models.list``: the model list (``GET /v1/models``' body); an error event raises ``NnrpError``."""
+        events = await (await self.submit({"schema_version": SCHEMA_VERSION, "operation": MODELS_LIST,
+                                           "body": {}})).collect()
+        last = events[-1] if events else {}
+        if last.get("type") != "response.completed":
+            raise NnrpError({"code": (last.get("error") or {}).get("code"), "message": str(last)[:300]})
+        return dict(last["response"])
 
     async def diagnostics(self, op_id: str | None = None) -> dict[str, Any]:
         frame = await self._request({"type": "diagnostics", "op": op_id}, "diagnostics")

@@ -1,4 +1,4 @@
-"""The openai-compatible/1 API profile: what an NNRP operation carrying OpenAI chat looks like.
+"""The openai-compatible/1 API profile: what an NNRP operation carrying an OpenAI request looks like.
 
 The profile is the contract between an NNRP client and this server that does not depend on frames or
 sockets: the request envelope a submit carries, the operation names, the events an operation's
@@ -14,7 +14,7 @@ streamed chunk and goes straight to an encoder.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Literal, NotRequired, TypedDict
@@ -41,8 +41,10 @@ OPERATION_LEVELS: Final[Mapping[str, int]] = MappingProxyType({
     EMBEDDINGS_CREATE: 3,
 })
 LEVEL_1_OPERATIONS: Final = frozenset({CHAT_COMPLETIONS_CREATE})
-# Known to the profile, not implemented by this server: submitting one is ``unsupported_operation``.
-KNOWN_UNSUPPORTED_OPERATIONS: Final = frozenset(OPERATION_LEVELS) - LEVEL_1_OPERATIONS
+# What this server can serve; each is declared (and so served) only when its configuration runs it.
+SERVABLE_OPERATIONS: Final = frozenset({CHAT_COMPLETIONS_CREATE, RESPONSES_CREATE, MODELS_LIST})
+# Known to the profile, never implemented by this server: submitting one is ``unsupported_operation``.
+KNOWN_UNSUPPORTED_OPERATIONS: Final = frozenset(OPERATION_LEVELS) - SERVABLE_OPERATIONS
 
 OUTPUT_TEXT_DELTA: Final = "response.output_text.delta"
 TOOL_CALL_DELTA: Final = "response.tool_call.delta"
@@ -298,22 +300,37 @@ class ServingCapabilities:
 
     ``tool_calls`` is true only when a tool parser is configured: without one the engine's output is
     never split into tool-call deltas, so advertising them would select recipes that must fail.
+    ``responses``: ``responses.create`` is wired (its requests need the render sidecar's conversion);
+    ``models_list``: ``models.list`` is wired (the model catalog). Both default to off, so a manifest
+    never declares an operation nobody gave the session the means to run.
     """
 
     tool_calls: bool = False
     streaming: bool = True
     non_streaming: bool = True
     extensions: tuple[Extension, ...] = ()
+    responses: bool = False
+    models_list: bool = False
 
 
 def build_manifest(caps: ServingCapabilities) -> Manifest:
-    """The manifest for a configuration. Level 1 is claimed only when chat is served both ways."""
+    """The manifest for a configuration. Level 1 is claimed only when chat is served both ways, Level 2
+    only when ``responses.create`` is, Level 3 when ``models.list`` is declared (it has no stream)."""
     if len({ext.name for ext in caps.extensions}) != len(caps.extensions):
         raise ValueError("extension names must be unique")
-    chat = OperationCapability(CHAT_COMPLETIONS_CREATE, streaming=caps.streaming,
-                               non_streaming=caps.non_streaming, tool_calls=caps.tool_calls)
-    levels = (1,) if caps.streaming and caps.non_streaming else ()
-    return Manifest(adapter=ADAPTER, compatibility_levels=levels, operations=(chat,),
+    both = caps.streaming and caps.non_streaming
+    ops = [OperationCapability(CHAT_COMPLETIONS_CREATE, streaming=caps.streaming,
+                               non_streaming=caps.non_streaming, tool_calls=caps.tool_calls)]
+    levels = [1] if both else []
+    if caps.responses:
+        # Tool calls reach a Responses client as function_call items, split by the same parser.
+        ops.append(OperationCapability(RESPONSES_CREATE, streaming=caps.streaming,
+                                       non_streaming=caps.non_streaming, tool_calls=caps.tool_calls))
+        levels += [2] if both else []
+    if caps.models_list and caps.non_streaming:
+        ops.append(OperationCapability(MODELS_LIST, streaming=False, non_streaming=True, tool_calls=False))
+        levels.append(3)
+    return Manifest(adapter=ADAPTER, compatibility_levels=tuple(levels), operations=tuple(ops),
                     extensions=tuple(caps.extensions))
 
 
@@ -550,8 +567,8 @@ def parse_envelope(data: object, manifest: Manifest) -> Envelope:
 
     Checks, in order: an object with only envelope fields; ``profile`` and ``schema_version``; the
     operation is in the profile and declared by ``manifest``; ``body`` is an object without NNRP policy
-    fields and with a boolean (or absent) ``stream``; that mode is served; policy; extensions;
-    ``include_openai_chunk``.
+    fields and with a boolean (or absent) ``stream``; that mode is served; a ``models.list`` body has
+    nothing else; policy; extensions; ``include_openai_chunk``.
     """
     if not isinstance(data, Mapping):
         raise ProfileError(INVALID_ENVELOPE, "the envelope must be a JSON object")
@@ -586,6 +603,11 @@ def parse_envelope(data: object, manifest: Manifest) -> Envelope:
         mode = "streaming" if stream else "non-streaming"
         raise ProfileError(UNSUPPORTED_OPERATION, f"{cap.name} is not served {mode} by this server",
                            param="body.stream")
+    if cap.name == MODELS_LIST:  # OpenAI's list takes no parameters: one given would be silently lost
+        extra = sorted(set(body) - {"stream"})
+        if extra:
+            raise ProfileError(INVALID_BODY, f"models.list takes no request fields, got '{extra[0]}'",
+                               param=f"body.{extra[0]}")
     policy = _parse_policy(data.get("policy"))
     selection = select_extensions(manifest, data.get("extensions"))
     chunk = data.get("include_openai_chunk")
@@ -601,7 +623,43 @@ def parse_envelope(data: object, manifest: Manifest) -> Envelope:
 # --------------------------------------------------------------------------------------------------
 
 
-class ChatStreamMapper:
+class EventMapper:
+    """What every operation's mapper keeps: exactly one terminal event, and nothing after it.
+
+    ``fail`` and ``cancel`` give the terminal event of an end outside the operation's output (a
+    pipeline error, a cancellation), or None once another terminal event was produced. ``flush`` gives
+    the events an operation's output still owes once its stream ended, before ``complete()``'s
+    terminal event (none for chat; a Responses stream closes its open output item). A non-streaming
+    operation uses only the terminal state: its whole result is mapped at once.
+    """
+
+    __slots__ = ("terminated",)
+
+    def __init__(self) -> None:
+        self.terminated = False
+
+    def flush(self) -> Sequence[Mapping[str, Any]]:
+        return ()
+
+    def fail(self, detail: Mapping[str, Any], status: int | None = None) -> ErrorEvent | None:
+        """The terminal event for a failure outside the chunk stream (e.g. a pipeline error)."""
+        if self.terminated:
+            return None
+        self.terminated = True
+        return error_event(detail, status)
+
+    def cancel(self, source: str, reason: str, *, operation_id: str | None = None,
+               engine_abort_accepted: bool | None = None) -> CancelledEvent | None:
+        """The terminal event for a cancellation; None if the operation already ended otherwise."""
+        if self.terminated:
+            return None
+        event = cancelled_event(source, reason, operation_id=operation_id,
+                                engine_abort_accepted=engine_abort_accepted)
+        self.terminated = True
+        return event
+
+
+class ChatStreamMapper(EventMapper):
     """Turns one operation's chat.completion.chunk dicts, as the SSE path emits them, into events.
 
     Per chunk and choice: non-empty ``delta.content`` → ``response.output_text.delta``, each
@@ -613,11 +671,11 @@ class ChatStreamMapper:
     chunks give nothing and another terminal gives None, so nothing can follow ``response.cancelled``.
     """
 
-    __slots__ = ("_finish", "_id", "_model", "include_openai_chunk", "terminated")
+    __slots__ = ("_finish", "_id", "_model", "include_openai_chunk")
 
     def __init__(self, *, include_openai_chunk: bool = False) -> None:
+        super().__init__()
         self.include_openai_chunk = include_openai_chunk
-        self.terminated = False
         self._finish: dict[int, str | None] = {}
         self._id: str | None = None
         self._model: str | None = None
@@ -661,23 +719,6 @@ class ChatStreamMapper:
             return None
         self.terminated = True
         return _completed(self._id, self._model, self._finish)
-
-    def fail(self, detail: Mapping[str, Any], status: int | None = None) -> ErrorEvent | None:
-        """The terminal event for a failure outside the chunk stream (e.g. a pipeline error)."""
-        if self.terminated:
-            return None
-        self.terminated = True
-        return error_event(detail, status)
-
-    def cancel(self, source: str, reason: str, *, operation_id: str | None = None,
-               engine_abort_accepted: bool | None = None) -> CancelledEvent | None:
-        """The terminal event for a cancellation; None if the operation already ended otherwise."""
-        if self.terminated:
-            return None
-        event = cancelled_event(source, reason, operation_id=operation_id,
-                                engine_abort_accepted=engine_abort_accepted)
-        self.terminated = True
-        return event
 
 
 def _completed(response_id: Any, model: Any, finish: Mapping[int, str | None]) -> CompletedEvent:

@@ -5,7 +5,9 @@ WebSocket to it; unit tests use a queue), and a ``Runner`` is ``Pipeline.serve``
 
 * hello (encoding pick) → open (API key, profile, schema version) → operations → close;
 * each submit becomes an operation with its own task that pulls the pipeline's chunk stream, maps it
-  with the profile's ``ChatStreamMapper`` and pushes ``result`` frames with consecutive ``seq``;
+  with the profile's ``ChatStreamMapper`` (``responses.create``: the Responses events of
+  ``nnrp/responses.py``) and pushes ``result`` frames with consecutive ``seq``; ``models.list`` is
+  answered from the model catalog in one frame;
 * credits: a non-terminal event waits for one; with none left the task stops pulling the stream, so
   the pipeline's bounded queue fills and the engine read stops instead of the session buffering;
 * cancel (frame, ``policy.timeout_ms``, session end): the mapper is terminated synchronously, so no
@@ -26,14 +28,16 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coordinator.config import NnrpSettings
 from coordinator.nnrp import frames as F
 from coordinator.nnrp.profile import (
+    MODELS_LIST,
     PROFILE,
+    RESPONSES_CREATE,
     SCHEMA_VERSION,
     TERMINAL_EVENT_TYPES,
     ChatStreamMapper,
@@ -44,10 +48,13 @@ from coordinator.nnrp.profile import (
     map_chat_completion,
     parse_envelope,
 )
+from coordinator.nnrp.responses import ResponsesStreamMapper, map_models, map_response
 from coordinator.observability.record import Observer, Record
-from coordinator.pipeline.context import Kind
+from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import ClientGone, PipelineError
 from coordinator.pipeline.native_route import ChunkStream
+from coordinator.pipeline.responses.convert import ResponsesForm
+from coordinator.pipeline.responses.translate import in_responses_terms
 
 log = logging.getLogger(__name__)
 Gone = Callable[[], Awaitable[None]]
@@ -67,7 +74,11 @@ class Transport(Protocol):
 
 
 class ServedLike(Protocol):
-    """What the session reads of ``Served``: a JSON response or a chunk stream, then ``aclose``."""
+    """What the session reads of ``Served``: a JSON response or a chunk stream, then ``aclose``;
+    ``ctx``, the served request, for a Responses answer (it echoes the request's id and budget)."""
+
+    @property
+    def ctx(self) -> RequestContext: ...
 
     @property
     def response(self) -> dict[str, Any] | None: ...
@@ -82,7 +93,31 @@ class Runner(Protocol):
     """``Pipeline.serve``: the one request runner of every door."""
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Gone | None = None, record: Record | None = None) -> ServedLike: ...
+                    gone: Gone | None = None, record: Record | None = None,
+                    operation: str | None = None) -> ServedLike: ...
+
+
+class ResponsesForms(Protocol):
+    """``ResponsesTranslator``: a ``/v1/responses`` body → the chat form the pipeline serves."""
+
+    async def form(self, body: Any, request_id: str) -> ResponsesForm: ...
+
+
+class Mapper(Protocol):
+    """An operation's events from its output, with the one-terminal-event rule (``EventMapper``)."""
+
+    terminated: bool
+
+    def map_chunk(self, chunk: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]: ...
+
+    def flush(self) -> Sequence[Mapping[str, Any]]: ...
+
+    def complete(self) -> Mapping[str, Any] | None: ...
+
+    def fail(self, detail: Mapping[str, Any], status: int | None = None) -> Mapping[str, Any] | None: ...
+
+    def cancel(self, source: str, reason: str, *, operation_id: str | None = None,
+               engine_abort_accepted: bool | None = None) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(eq=False)
@@ -91,7 +126,7 @@ class Operation:
     request_id: str
     envelope: Envelope
     credits: int
-    mapper: ChatStreamMapper
+    mapper: Mapper
     record: Record
     seq: int = 0
     closed: bool = False  # the terminal event went out (or could not)
@@ -118,14 +153,24 @@ class Operation:
 
 class Session:
     """Run with ``await Session(...).run()``; returns when the session is over and every operation
-    it started has released what it held."""
+    it started has released what it held.
+
+    ``models``: the model list ``models.list`` answers; ``responses``: the conversion
+    ``responses.create`` needs. A manifest declaring either operation needs it (checked here, so a
+    declared operation can never fail for want of its means)."""
 
     def __init__(self, transport: Transport, runner: Runner, settings: NnrpSettings, manifest: Manifest,
                  auth: Callable[[str | None], None], *, authorization: str | None = None,
                  session_id: str | None = None, observer: Observer | None = None,
-                 connection_id: str | None = None) -> None:
+                 connection_id: str | None = None, models: Callable[[], Mapping[str, Any]] | None = None,
+                 responses: ResponsesForms | None = None) -> None:
+        for name, means in ((MODELS_LIST, models), (RESPONSES_CREATE, responses)):
+            if manifest.operation(name) is not None and means is None:
+                raise ValueError(f"the manifest declares {name} but the session was given nothing to run it")
         self._t = transport
         self._runner = runner
+        self._models = models
+        self._responses = responses
         self._settings = settings
         self._manifest = manifest
         self._manifest_doc = manifest.to_dict()
@@ -335,8 +380,9 @@ class Session:
             return
         record.operation = envelope.operation
         credits = self._settings.initial_credits if frame.credits is None else frame.credits
-        op = Operation(frame.op, request_id, envelope, credits,
-                       ChatStreamMapper(include_openai_chunk=envelope.include_openai_chunk), record)
+        mapper: Mapper = (ResponsesStreamMapper() if envelope.operation == RESPONSES_CREATE
+                          else ChatStreamMapper(include_openai_chunk=envelope.include_openai_chunk))
+        op = Operation(frame.op, request_id, envelope, credits, mapper, record)
         self._ops[op.id] = op
         op.task = self._spawn(self._pump(op))
         op.task.add_done_callback(lambda _: record.finish())  # even a task cancelled before it ran
@@ -382,19 +428,32 @@ class Session:
     async def _pump(self, op: Operation) -> None:
         """Run the operation through the pipeline and push its events; release whatever happens."""
         served: ServedLike | None = None
+        operation = op.envelope.operation
         try:
+            # A declared operation has its means (checked in __init__); parse_envelope refused the rest.
+            if operation == MODELS_LIST:
+                assert self._models is not None
+                await self._whole(op, map_models(self._models()))
+                return
             body = op.envelope.body
+            form: ResponsesForm | None = None
+            if operation == RESPONSES_CREATE:
+                assert self._responses is not None
+                # The sidecar's conversion, as the HTTP door does it; from here it is a chat request.
+                form = await self._responses.form(body, op.request_id)
+                body = form.chat
             if op.envelope.policy.cache == "isolated" and "cache_salt" not in body:
                 body = {**body, "cache_salt": secrets.token_hex(16)}  # shares no cached prefix
-            served = await self._runner.serve("chat", body, op.request_id, record=op.record)
+            served = await self._runner.serve("chat", body, op.request_id, record=op.record,
+                                              operation=operation)
             if served.stream is None:
-                for event in map_chat_completion(served.response or {}):
-                    if event["type"] in TERMINAL_EVENT_TYPES:
-                        if op.mapper.terminated:
-                            return
-                        op.mapper.terminated = True
-                    await self._emit(op, dict(event))
+                response = served.response or {}
+                await self._whole(op, map_chat_completion(response) if form is None
+                                  else map_response(form, response, served.ctx))
                 return
+            if form is not None and isinstance(op.mapper, ResponsesStreamMapper):
+                for opening in op.mapper.start(form, served.ctx):
+                    await self._emit(op, dict(opening))
             chunks = served.stream.events()
             try:
                 while not op.mapper.terminated:
@@ -410,10 +469,14 @@ class Session:
                 if closer is not None:
                     with contextlib.suppress(Exception):
                         await closer()
+            for owed in op.mapper.flush():
+                await self._emit(op, dict(owed))
             done = op.mapper.complete()
             if done is not None:
                 await self._emit(op, dict(done))
         except PipelineError as exc:
+            if operation == RESPONSES_CREATE:
+                exc = in_responses_terms(exc)  # name the field the client wrote, as the HTTP door does
             failed = op.mapper.fail(exc.body()["error"], exc.status)
             if failed is not None:
                 await self._emit(op, dict(failed))
@@ -439,6 +502,15 @@ class Session:
                           "transport": f"websocket/{self.encoding}"}
                 with contextlib.suppress(Exception):
                     await self._send(F.diagnostics("summary", record, op=op.id))
+
+    async def _whole(self, op: Operation, events: Sequence[Mapping[str, Any]]) -> None:
+        """A result mapped at once (non-streaming): its events, unless a cancel already ended it."""
+        for event in events:
+            if event["type"] in TERMINAL_EVENT_TYPES:
+                if op.mapper.terminated:
+                    return
+                op.mapper.terminated = True
+            await self._emit(op, dict(event))
 
     async def _wait_credit(self, op: Operation) -> None:
         while op.credits <= 0:

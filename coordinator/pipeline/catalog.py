@@ -27,6 +27,14 @@ class ModelEntry:
     path: str | None = None           # where to learn vocab_size from (else ``root``)
 
 
+def model_cards(e: ModelEntry) -> list[dict[str, Any]]:
+    """The OpenAI model cards of one entry: its name, then each alias (``parent``: the name). Every door
+    that lists models (``GET /v1/models``, NNRP ``models.list``) uses these, so they cannot differ."""
+    card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
+            "parent": None, "max_model_len": e.max_model_len}
+    return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]
+
+
 class ModelCatalog:
     """Resolves names (400/404) and learns ``max_model_len``/``root`` from the sidecar and ``vocab_size``
     from the model's files."""
@@ -46,6 +54,10 @@ class ModelCatalog:
 
     def entries(self) -> list[ModelEntry]:
         return list(self._entries.values())
+
+    def model_list(self) -> dict[str, Any]:
+        """OpenAI's model list (``GET /v1/models``): every entry's cards, in configuration order."""
+        return {"object": "list", "data": [card for e in self.entries() for card in model_cards(e)]}
 
     def get(self, name: str) -> ModelEntry | None:
         """The entry a name or alias points at, or None."""

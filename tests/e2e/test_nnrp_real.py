@@ -1,6 +1,6 @@
 """The NNRP door on real vLLM: conformance recipes and a multiplexed session with cancellations.
 
-The conformance run needs every Level-1 recipe selected, tool-call deltas included, so its
+The conformance run needs every recipe selected (Levels 1 to 3), tool-call deltas included, so its
 coordinator uses a render sidecar with the ``hermes`` tool parser (SmolLM2-135M answers the tool
 recipe's few-shot prompt with ``<tool_call>{...}</tool_call>`` greedily, see test_wire_shape.py);
 the generating engine is the session's real ``--tokens-only`` engine in both tests.
@@ -48,8 +48,8 @@ def ws_url(coord: CoordinatorServer) -> str:
     return coord.url.replace("http://", "ws://") + "/nnrp/v1"
 
 
-def test_conformance_runner_passes_every_level1_recipe(vllm_stack: VllmStack, tool_render: Any,
-                                                       coordinator_factory: CoordinatorFactory) -> None:
+def test_conformance_runner_passes_every_recipe(vllm_stack: VllmStack, tool_render: Any,
+                                                coordinator_factory: CoordinatorFactory) -> None:
     coord = coordinator_factory(str(tool_render.url), [vllm_stack.engine.url],
                                 render={"url": str(tool_render.url), "parsers": True},
                                 server={"api_keys": [KEY]})
@@ -60,7 +60,7 @@ def test_conformance_runner_passes_every_level1_recipe(vllm_stack: VllmStack, to
                            "--api-key", KEY], capture_output=True, text=True, timeout=900)
     out = proc.stdout
     print(out)  # the table, for -s and for failure reports
-    assert out.rstrip("\n").splitlines()[-1] == "10 passed, 0 failed", out + proc.stderr
+    assert out.rstrip("\n").splitlines()[-1] == "14 passed, 0 failed", out + proc.stderr
     assert proc.returncode == 0, out + proc.stderr
     assert " skip " not in out and " FAIL " not in out, out
     assert coord.wait_idle() == 0

@@ -65,8 +65,10 @@ def test_capabilities_endpoint(coord: CoordinatorServer) -> None:
     assert httpx.get(f"{coord.url}/nnrp/v1/capabilities", timeout=10).status_code == 401
     doc = httpx.get(f"{coord.url}/nnrp/v1/capabilities", headers={"Authorization": f"Bearer {KEY}"},
                     timeout=10).json()
-    assert doc["adapter"] == "llm-coordinator" and doc["compatibility_levels"] == [1]
-    assert doc["operations"][0]["tool_calls"] is False  # no parsers configured
+    assert doc["adapter"] == "llm-coordinator" and doc["compatibility_levels"] == [1, 2, 3]
+    assert [op["name"] for op in doc["operations"]] == ["chat.completions.create", "responses.create",
+                                                        "models.list"]
+    assert not any(op["tool_calls"] for op in doc["operations"])  # no parsers configured
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])

@@ -12,6 +12,8 @@ import pytest
 from coordinator.nnrp.conformance.recipes import (
     Observed,
     RecipeError,
+    completed_text,
+    delta_text,
     judge,
     load_recipes,
     match_events,
@@ -29,20 +31,46 @@ from coordinator.nnrp.profile import (
 )
 
 LEVEL1 = build_manifest(ServingCapabilities(tool_calls=True))
+# What the coordinator declares with its Responses conversion and model catalog wired.
+SERVER = build_manifest(ServingCapabilities(tool_calls=True, responses=True, models_list=True))
 
 
 def by_case() -> dict[int, Any]:
-    return {r.case: r for r in load_recipes()}
+    return {r.case: r for r in load_recipes() if r.case is not None}
+
+
+def by_operation(operation: str) -> dict[str, Any]:
+    """The packaged recipes of one operation above Level 1, by id, parameters filled."""
+    return {r.id: r.render({"MODEL_ID": "m"}) for r in load_recipes()
+            if r.raw.get("operation") == operation and r.raw["level"] > 1}
 
 
 def test_ten_level1_recipes_are_packaged_one_per_case() -> None:
-    recipes = load_recipes()
-    assert sorted(r.case for r in recipes) == list(range(1, 11))
+    recipes = [r for r in load_recipes() if r.raw["level"] == 1]
+    assert sorted(r.case or 0 for r in recipes) == list(range(1, 11))
     assert len({r.id for r in recipes}) == 10
-    for r in recipes:
-        assert r.raw["level"] == 1 and r.raw["schema_version"] == "openai-compatible/1"
+    for r in load_recipes():
+        assert r.raw["schema_version"] == "openai-compatible/1"
         assert r.parameters <= {"MODEL_ID"}
     assert by_case()[1].raw["request"]["body"]["model"] == "${MODEL_ID}"
+
+
+def test_responses_and_models_list_recipes_are_packaged_at_their_levels() -> None:
+    above = [r for r in load_recipes() if r.raw["level"] > 1]
+    assert sorted((r.raw["level"], r.raw["operation"]) for r in above) == [
+        (2, "responses.create"), (2, "responses.create"), (2, "responses.create"), (3, "models.list")]
+    assert all(r.case is None for r in above)  # case numbers are Level 1's
+    modes = sorted(r["request"]["body"].get("stream") is True for r in by_operation("responses.create").values())
+    assert modes == [False, True, True]  # streaming, non-streaming and a refusal
+
+
+def test_level_2_and_3_recipes_run_only_where_the_manifest_serves_them() -> None:
+    for recipe in [*by_operation("responses.create").values(), *by_operation("models.list").values()]:
+        assert "is not claimed" in (why_not_selected(recipe, LEVEL1) or "")
+        assert why_not_selected(recipe, SERVER) is None
+    listing = next(iter(by_operation("models.list").values()))
+    streamed = {**listing, "request": {"body": {"stream": True}}}
+    assert "not declared streaming" in (why_not_selected(streamed, SERVER) or "")
 
 
 def test_model_id_is_substituted_everywhere_and_a_missing_parameter_is_an_error() -> None:
@@ -169,6 +197,68 @@ def test_judge_tool_call_recipe_assembles_the_call() -> None:
     assert any("not JSON" in p for p in judge(rec, frames_of(first, broken, done), sel))
     assert any("no tool call" in p for p in judge(rec, frames_of(ev("response.output_text.delta", delta="x"),
                                                                   done), sel))
+
+
+def numbered(*events: dict[str, Any], start: int = 0) -> list[dict[str, Any]]:
+    return [{**e, "sequence_number": start + i} for i, e in enumerate(events)]
+
+
+def responses_stream(text: str = "Hi there") -> list[dict[str, Any]]:
+    item = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    started = {"object": "response", "status": "in_progress", "output": []}
+    done = {"object": "response", "status": "completed", "output": [item],
+            "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}
+    return numbered(ev("response.created", response=started), ev("response.in_progress", response=started),
+                    ev("response.output_item.added", output_index=0, item={**item, "content": []}),
+                    ev("response.content_part.added", output_index=0, content_index=0),
+                    *(ev("response.output_text.delta", output_index=0, content_index=0, delta=d)
+                      for d in (text[:2], text[2:])),
+                    ev("response.output_text.done", output_index=0, content_index=0, text=text),
+                    ev("response.content_part.done", output_index=0, content_index=0),
+                    ev("response.output_item.done", output_index=0, item=item),
+                    ev("response.completed", response=done))
+
+
+def test_judge_responses_streaming_recipe() -> None:
+    rec = by_operation("responses.create")["openai-compatible.responses.streaming"]
+    sel = ExtensionSelection((), frozenset())
+    events = responses_stream()
+    assert judge(rec, frames_of(*events), sel) == []
+    gap = [*events[:3], *numbered(*events[3:], start=4)]
+    assert any("sequence_number" in p for p in judge(rec, frames_of(*gap), sel))
+    assert judge(rec, frames_of(*events[1:]), sel)  # no response.created
+    no_message = {**events[-1], "response": {**events[-1]["response"], "output": []}}
+    assert judge(rec, frames_of(*events[:-1], no_message), sel)
+    chat_like = ev("response.completed", id="c", model="m", finish_reason="stop", choices=[])
+    assert judge(rec, frames_of(*events[:-1], chat_like), sel)  # a chat terminal is not a Responses one
+    assert delta_text(events) == "Hi there" == completed_text(events[-1])
+
+
+def test_judge_models_list_and_responses_refusal_recipes() -> None:
+    sel = ExtensionSelection((), frozenset())
+    listing = next(iter(by_operation("models.list").values()))
+    cards = [{"id": "other", "object": "model"}, {"id": "m", "object": "model", "parent": None}]
+    assert judge(listing, frames_of(ev("response.completed", response={"object": "list", "data": cards})),
+                 sel) == []
+    assert judge(listing, frames_of(ev("response.completed", response={"object": "list", "data": cards[:1]})),
+                 sel)  # the model under test is missing
+    refusal = by_operation("responses.create")["openai-compatible.responses.invalid-request"]
+    error = {"message": "previous_response_id is not supported", "type": "BadRequestError",
+             "param": "previous_response_id", "code": 400}
+    assert judge(refusal, frames_of(ev("response.error", status=400, error=error)), sel) == []
+    assert judge(refusal, frames_of(ev("response.error", status=400, error={**error, "param": "input"})), sel)
+
+
+def test_completed_text_reads_chat_and_responses() -> None:
+    chat = ev("response.completed", response={"object": "chat.completion",
+                                              "choices": [{"message": {"content": "Paris."}}]})
+    assert completed_text(chat) == "Paris."
+    response = {"object": "response", "output": [
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "Par"}, {"type": "refusal"},
+                                        {"type": "output_text", "text": "is."}]}]}
+    assert completed_text(ev("response.completed", response=response)) == "Paris."
 
 
 def test_envelope_of_and_non_streaming_twin() -> None:

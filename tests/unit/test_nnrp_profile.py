@@ -82,7 +82,9 @@ def run(chunks: list[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
 def test_profile_constants() -> None:
     assert p.SCHEMA_VERSION == "openai-compatible/1" and p.PROFILE == "openai-compatible"
     assert p.LEVEL_1_OPERATIONS == {"chat.completions.create"}
-    assert {"responses.create", "embeddings.create", "models.list"} == p.KNOWN_UNSUPPORTED_OPERATIONS
+    assert p.SERVABLE_OPERATIONS == {"chat.completions.create", "responses.create", "models.list"}
+    assert p.KNOWN_UNSUPPORTED_OPERATIONS == {"embeddings.create"}
+    assert {p.OPERATION_LEVELS[op] for op in ("responses.create", "models.list")} == {2, 3}
     assert "completions.create" not in p.OPERATION_LEVELS  # not part of the profile at all
     assert p.EVENT_TYPES == ("response.output_text.delta", "response.tool_call.delta", "response.usage",
                              "response.completed", "response.error", "response.cancelled")
@@ -401,6 +403,36 @@ def test_level_1_is_not_claimed_without_both_modes() -> None:
     p.parse_manifest(doc)  # still a valid document
 
 
+def test_manifest_of_the_server_lists_responses_and_models_list() -> None:
+    """What the coordinator declares with its Responses conversion and model catalog wired."""
+    m = p.build_manifest(p.ServingCapabilities(tool_calls=True, responses=True, models_list=True))
+    assert m.to_dict() == {
+        "adapter": "llm-coordinator", "profile": "openai-compatible", "schema_version": "openai-compatible/1",
+        "compatibility_levels": [1, 2, 3],
+        "operations": [
+            {"name": "chat.completions.create", "streaming": True, "non_streaming": True, "tool_calls": True},
+            {"name": "responses.create", "streaming": True, "non_streaming": True, "tool_calls": True},
+            {"name": "models.list", "streaming": False, "non_streaming": True, "tool_calls": False}],
+        "extensions": [],
+    }
+    assert p.parse_manifest(m.to_dict()) == m  # a valid capability document (case 10's rules)
+    without_parser = p.build_manifest(p.ServingCapabilities(responses=True))
+    assert without_parser.operation("responses.create") == p.OperationCapability(
+        "responses.create", streaming=True, non_streaming=True, tool_calls=False)
+    assert without_parser.operation("models.list") is None
+    assert without_parser.compatibility_levels == (1, 2)
+
+
+def test_levels_2_and_3_follow_what_is_served() -> None:
+    stream_only = p.build_manifest(p.ServingCapabilities(non_streaming=False, responses=True, models_list=True))
+    assert stream_only.compatibility_levels == ()  # responses one way only; models.list has no stream
+    assert stream_only.operation("models.list") is None
+    assert stream_only.operation("responses.create") is not None
+    models_only = p.build_manifest(p.ServingCapabilities(models_list=True))
+    assert models_only.compatibility_levels == (1, 3)
+    assert p.parse_manifest(models_only.to_dict()) == models_only
+
+
 def test_duplicate_extension_in_config() -> None:
     with pytest.raises(ValueError):
         p.build_manifest(p.ServingCapabilities(extensions=(DIAG, DIAG)))
@@ -465,6 +497,29 @@ def test_manifest_duplicate_operation() -> None:
     with pytest.raises(p.ManifestError) as info:
         p.parse_manifest(doc)
     assert info.value.path == "operations[1].name"
+
+
+def test_responses_and_models_list_envelopes() -> None:
+    served = p.build_manifest(p.ServingCapabilities(responses=True, models_list=True))
+    body = {"model": "m", "input": "Say hello.", "max_output_tokens": 16, "stream": True}
+    got = p.parse_envelope(envelope(operation="responses.create", body=body), served)
+    assert got.operation == "responses.create" and got.stream is True and got.body is body
+    listing = p.parse_envelope(envelope(operation="models.list", body={}), served)
+    assert listing.operation == "models.list" and listing.stream is False
+    assert p.parse_envelope(envelope(operation="models.list", body={"stream": False}), served).stream is False
+
+
+@pytest.mark.parametrize(("body", "code", "param"), [
+    ({"stream": True}, "unsupported_operation", "body.stream"),  # a list is never streamed
+    ({"limit": 5}, "invalid_body", "body.limit"),  # OpenAI's list takes no parameters
+    ({"after": "m", "order": "asc"}, "invalid_body", "body.after"),  # the first in sorted order
+    ({"timeout_ms": 5, "limit": 5}, "policy_in_body", "body.timeout_ms"),  # policy is checked first
+    ([], "invalid_body", "body"),
+])
+def test_models_list_body_refusals(body: Any, code: str, param: str) -> None:
+    served = p.build_manifest(p.ServingCapabilities(models_list=True))
+    err = refused(envelope(operation="models.list", body=body), served)
+    assert (err.code, err.param, err.status) == (code, param, 400)
 
 
 def test_manifest_unsupported_operations_are_refused_by_parse_envelope() -> None:

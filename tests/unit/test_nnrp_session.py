@@ -16,7 +16,9 @@ from coordinator.config import NnrpSettings
 from coordinator.nnrp import frames as F
 from coordinator.nnrp.profile import ServingCapabilities, build_manifest
 from coordinator.nnrp.session import Session
-from coordinator.pipeline.errors import PipelineError
+from coordinator.pipeline.context import RequestContext
+from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.responses.convert import ResponsesForm
 
 KEY = "sk-test"
 
@@ -80,8 +82,10 @@ class FakeStream:
 
 
 class FakeServed:
-    def __init__(self, stream: FakeStream | None, response: dict[str, Any] | None) -> None:
+    def __init__(self, stream: FakeStream | None, response: dict[str, Any] | None,
+                 ctx: RequestContext | None = None) -> None:
         self.stream, self.response = stream, response
+        self.ctx = ctx
         self.released = False
 
     async def aclose(self) -> None:
@@ -94,17 +98,22 @@ class Runner:
     def __init__(self, n: int = 5, delay: float = 0.0, fail: PipelineError | None = None) -> None:
         self.n, self.delay, self.fail = n, delay, fail
         self.served: list[FakeServed] = []
+        self.calls: list[tuple[dict[str, Any], str | None]] = []  # (body, operation) per serve
 
     async def serve(self, kind: str, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Any = None, record: Any = None) -> FakeServed:
+                    gone: Any = None, record: Any = None, operation: str | None = None) -> FakeServed:
+        self.calls.append((body, operation))
         if self.fail is not None:
             raise self.fail
+        ctx = RequestContext(kind="chat", request_id=request_id, body=body, model="m",
+                             stream=bool(body.get("stream")), include_usage=True, created=7)
         if body.get("stream"):
-            s = FakeServed(FakeStream(int(body.get("max_tokens", self.n)), self.delay), None)
+            s = FakeServed(FakeStream(int(body.get("max_tokens", self.n)), self.delay), None, ctx)
         else:
             s = FakeServed(None, {"id": "chatcmpl-2", "model": "m", "usage": {"prompt_tokens": 1,
                                   "completion_tokens": 1, "total_tokens": 2},
-                                  "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}]})
+                                  "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}]},
+                           ctx)
         self.served.append(s)
         return s
 
@@ -319,3 +328,155 @@ async def test_too_many_operations(limit: int) -> None:
     frames = await pipe.until(lambda f: f["type"] == "error")
     assert frames[-1]["code"] == F.TOO_MANY_OPERATIONS and frames[-1]["op"] == "c"
     await finish(pipe, task)
+
+
+# ------------------------------------------------------------------------------------------------
+# responses.create and models.list
+# ------------------------------------------------------------------------------------------------
+
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "created": 1, "owned_by": "vllm",
+                                      "root": "/models/m", "parent": None, "max_model_len": 2048}]}
+
+
+class Translator:
+    """Stands in for the sidecar's Responses → chat conversion."""
+
+    def __init__(self, fail: PipelineError | None = None) -> None:
+        self.fail = fail
+        self.bodies: list[dict[str, Any]] = []
+
+    async def form(self, body: Any, request_id: str) -> ResponsesForm:
+        self.bodies.append(body)
+        if self.fail is not None:
+            raise self.fail
+        chat = {"model": body["model"], "messages": [{"role": "user", "content": body["input"]}],
+                "stream": bool(body.get("stream")), "max_tokens": body.get("max_output_tokens", 3)}
+        return ResponsesForm(chat=chat, response={"object": "response", "id": "", "model": "", "tools": []})
+
+
+async def start_full(runner: Runner, translator: Translator | None = None,
+                     **settings: Any) -> tuple[Pipe, asyncio.Task[None], Session]:
+    """A session whose manifest declares responses.create and models.list, as the server's does."""
+    pipe = Pipe()
+    cfg = NnrpSettings(**{"idle_timeout_s": 5, "heartbeat_s": 1, "initial_credits": 100, **settings})
+    manifest = build_manifest(ServingCapabilities(responses=True, models_list=True))
+    session = Session(pipe.server, runner, cfg, manifest, ApiKeyCheck([SecretStr(KEY)]),
+                      models=lambda: MODELS, responses=translator or Translator())
+    task = asyncio.create_task(session.run())
+    await handshake(pipe)
+    return pipe, task, session
+
+
+def renv(stream: bool = True, **body: Any) -> dict[str, Any]:
+    return {"schema_version": "openai-compatible/1", "operation": "responses.create",
+            "body": {"model": "m", "input": "hi", "stream": stream, **body}}
+
+
+def mlist(**body: Any) -> dict[str, Any]:
+    return {"schema_version": "openai-compatible/1", "operation": "models.list", "body": body}
+
+
+async def test_responses_stream_is_the_responses_event_sequence() -> None:
+    runner, translator = Runner(), Translator()
+    pipe, task, _ = await start_full(runner, translator)
+    pipe.send({"type": "submit", "op": "r", "envelope": renv(max_output_tokens=3)})
+    got = await results(pipe, "r")
+    events = [f["event"] for f in got]
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert [f["seq"] for f in got] == list(range(11))
+    assert [e["sequence_number"] for e in events] == list(range(11))  # numbered as the HTTP door does
+    done = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "t0 t1 t2 " == done["output"][0]["content"][0]["text"]
+    assert done["status"] == "incomplete" and done["incomplete_details"] == {"reason": "max_output_tokens"}
+    body, operation = runner.calls[0]
+    assert operation == "responses.create" and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert translator.bodies == [renv(max_output_tokens=3)["body"]]
+    await finish(pipe, task)
+    assert all(s.released for s in runner.served)
+
+
+async def test_responses_non_streaming_is_one_completed_event_with_the_response() -> None:
+    pipe, task, _ = await start_full(Runner())
+    pipe.send({"type": "submit", "op": "r", "envelope": renv(stream=False)})
+    got = await results(pipe, "r")
+    assert [(f["seq"], f["event"]["type"]) for f in got] == [(0, "response.completed")]
+    response = got[0]["event"]["response"]
+    assert response["object"] == "response" and response["status"] == "completed"
+    assert response["id"].startswith("resp_nnrp-")
+    assert response["output"][0]["content"][0]["text"] == "x"
+    assert response["usage"]["input_tokens"] == 1 and response["usage"]["total_tokens"] == 2
+    await finish(pipe, task)
+
+
+async def test_responses_errors_name_the_field_the_client_wrote() -> None:
+    refused = BadRequest("'max_tokens' must be at least 1", param="max_tokens")
+    pipe, task, _ = await start_full(Runner(fail=refused))
+    pipe.send({"type": "submit", "op": "r", "envelope": renv(max_output_tokens=0)})
+    error = (await results(pipe, "r"))[-1]["event"]
+    assert error["type"] == "response.error" and error["status"] == 400
+    assert error["error"]["param"] == "max_output_tokens" and "'max_output_tokens'" in error["error"]["message"]
+    await finish(pipe, task)
+
+    runner = Runner()
+    pipe, task, _ = await start_full(runner, Translator(fail=BadRequest(
+        "previous_response_id is not supported", param="previous_response_id")))
+    pipe.send({"type": "submit", "op": "r", "envelope": renv(previous_response_id="resp_1")})
+    got = await results(pipe, "r")
+    assert [f["event"]["type"] for f in got] == ["response.error"]
+    assert got[0]["event"]["error"]["param"] == "previous_response_id"
+    assert runner.calls == []  # refused before the pipeline
+    await finish(pipe, task)
+
+
+async def test_responses_cancel_ends_the_stream_and_releases() -> None:
+    runner = Runner(delay=0.005)
+    pipe, task, session = await start_full(runner)
+    pipe.send({"type": "submit", "op": "r", "envelope": renv(max_output_tokens=1000)})
+    await pipe.until(lambda f: f["type"] == "result" and f["seq"] >= 5)
+    pipe.send({"type": "cancel", "op": "r", "reason": "enough"})
+    frames = await pipe.until(lambda f: f["type"] == "result" and f["event"]["type"] == "response.cancelled")
+    assert frames[-1]["event"]["diagnostics"]["reason"] == "enough"
+    await asyncio.sleep(0.05)
+    later = [F.decode_server(pipe.outbox.get_nowait()) for _ in range(pipe.outbox.qsize())]
+    assert [f for f in later if f.get("op") == "r"] == []  # no output_item.done, no response.completed
+    assert runner.served[0].released and session.open_operations == 0
+    await finish(pipe, task)
+
+
+async def test_isolated_cache_salts_the_converted_chat_request() -> None:
+    runner, translator = Runner(), Translator()
+    pipe, task, _ = await start_full(runner, translator)
+    pipe.send({"type": "submit", "op": "r", "envelope": {**renv(stream=False), "policy": {"cache": "isolated"}}})
+    await results(pipe, "r")
+    assert len(runner.calls[0][0]["cache_salt"]) == 32 and "cache_salt" not in translator.bodies[0]
+    await finish(pipe, task)
+
+
+async def test_models_list_is_one_completed_frame_without_the_pipeline() -> None:
+    runner = Runner()
+    pipe, task, _ = await start_full(runner)
+    pipe.send({"type": "submit", "op": "m", "envelope": mlist()})
+    got = await results(pipe, "m")
+    assert got == [{"type": "result", "op": "m", "seq": 0,
+                    "event": {"type": "response.completed", "response": MODELS}}]
+    pipe.send({"type": "submit", "op": "s", "envelope": mlist(stream=True)})
+    assert (await results(pipe, "s"))[0]["event"]["error"]["code"] == "unsupported_operation"
+    pipe.send({"type": "submit", "op": "x", "envelope": mlist(limit=5)})
+    err = (await results(pipe, "x"))[0]["event"]["error"]
+    assert err["code"] == "invalid_body" and err["param"] == "body.limit"
+    assert runner.calls == []
+    await finish(pipe, task)
+
+
+def test_a_declared_operation_needs_its_means() -> None:
+    manifest = build_manifest(ServingCapabilities(responses=True, models_list=True))
+    check = ApiKeyCheck([SecretStr(KEY)])
+    with pytest.raises(ValueError, match=r"responses\.create"):
+        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, models=lambda: MODELS)
+    with pytest.raises(ValueError, match=r"models\.list"):
+        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, responses=Translator())

@@ -22,15 +22,8 @@ from coordinator.observability.record import Record
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.native_route import ChunkStream
-from coordinator.pipeline.responses.convert import (
-    Event,
-    ResponsesForm,
-    ResponseStream,
-    envelope,
-    output_items,
-    status_of,
-    usage,
-)
+from coordinator.pipeline.responses.answer import ResponseEvents, to_response
+from coordinator.pipeline.responses.convert import Event, ResponsesForm
 from coordinator.pipeline.responses.translate import ResponsesTranslator, in_responses_terms
 from coordinator.pipeline.service import Pipeline
 
@@ -43,65 +36,36 @@ def responses_error(exc: PipelineError, request_id: str | None = None) -> JSONRe
     return error_response(in_responses_terms(exc), request_id)
 
 
-def _id(ctx: RequestContext) -> str:
-    return f"resp_{ctx.request_id}"
-
-
-def _max_output_tokens(ctx: RequestContext) -> int:
-    return ctx.prompts[0].max_tokens if ctx.prompts else 0
-
-
-def to_response(form: ResponsesForm, chat: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
-    """The chat completion as a Responses response object."""
-    choice = (chat.get("choices") or [{}])[0]
-    return envelope(form, response_id=_id(ctx), model=ctx.model, created=ctx.created,
-                    max_output_tokens=_max_output_tokens(ctx), output=output_items(chat, form),
-                    status=status_of(choice.get("finish_reason")), usage=usage(chat.get("usage")))
-
-
-class _Frames:
-    """Numbers events in the order they are written (``sequence_number``) and frames them as vLLM
-    does: ``event: <type>\\ndata: <json>\\n\\n``."""
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def __call__(self, event: Event) -> bytes:
-        data = {**event, "sequence_number": self._next}
-        self._next += 1
-        name = str(event["type"]).encode()
-        return b"event: " + name + b"\ndata: " + _encode(data) + b"\n\n"
+def _frame(event: Event) -> bytes:
+    """A numbered event framed as vLLM frames it: ``event: <type>\\ndata: <json>\\n\\n``."""
+    name = str(event["type"]).encode()
+    return b"event: " + name + b"\ndata: " + _encode(event) + b"\n\n"
 
 
 async def response_events(form: ResponsesForm, session: ChunkStream, on_error: OnError, record: Record,
                           ctx: RequestContext) -> AsyncIterator[bytes]:
     """``response.created`` and ``response.in_progress``, the output items' events, then
-    ``response.completed``; a failure after the first byte is an ``error`` event, and the stream ends."""
-    framed = _Frames()
-    started = envelope(form, response_id=_id(ctx), model=ctx.model, created=ctx.created,
-                       max_output_tokens=_max_output_tokens(ctx), output=[], status="in_progress", usage=None)
-    yield framed({"response": started, "type": "response.created"})
-    yield framed({"response": started, "type": "response.in_progress"})
-    convert = ResponseStream(form)
+    ``response.completed``; a failure after the first byte is an ``error`` event, and the stream ends.
+    The events and their numbers are ``ResponseEvents``', which NNRP sends too."""
+    events = ResponseEvents(form, ctx)
+    for event in events.start():
+        yield _frame(event)
     try:
         async for chunk in session.events():
-            for event in convert.feed(chunk):
+            for event in events.feed(chunk):
                 record.output_event()
-                yield framed(event)
+                yield _frame(event)
     except Exception as exc:
         on_error(exc)
         record.fail(exc)
         err = in_responses_terms(exc) if isinstance(exc, PipelineError) else None
-        yield framed({"type": "error", "code": err.type if err else "InternalServerError",
-                      "message": err.message if err else "Internal server error",
-                      "param": err.param if err else None})
+        yield _frame(events.number({"type": "error", "code": err.type if err else "InternalServerError",
+                                    "message": err.message if err else "Internal server error",
+                                    "param": err.param if err else None}))
         return
-    for event in convert.close():
-        yield framed(event)
-    done = envelope(form, response_id=_id(ctx), model=ctx.model, created=ctx.created,
-                    max_output_tokens=_max_output_tokens(ctx), output=convert.items,
-                    status=status_of(convert.finish_reason), usage=usage(convert.usage))
-    yield framed({"response": done, "type": "response.completed"})
+    for event in events.close():
+        yield _frame(event)
+    yield _frame(events.completed())
     record.complete()
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -12,7 +10,7 @@ from coordinator.api.door import Wire, serve_http
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import sse_body
 from coordinator.config import Settings
-from coordinator.pipeline.catalog import ModelEntry
+from coordinator.pipeline.catalog import model_cards
 from coordinator.pipeline.context import Kind
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.service import OPERATIONS, Pipeline
@@ -44,8 +42,7 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
             auth(request.headers.get("authorization"))
         except PipelineError as exc:
             return error_response(exc)
-        data = [card for e in pipeline.catalog.entries() for card in _cards(e)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(pipeline.catalog.model_list())
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
@@ -55,12 +52,6 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
             entry = pipeline.catalog.resolve(model_id)
         except PipelineError as exc:
             return error_response(exc)
-        return JSONResponse(next(c for c in _cards(entry) if c["id"] == model_id))
+        return JSONResponse(next(c for c in model_cards(entry) if c["id"] == model_id))
 
     return router
-
-
-def _cards(e: ModelEntry) -> list[dict[str, Any]]:
-    card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
-            "parent": None, "max_model_len": e.max_model_len}
-    return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]

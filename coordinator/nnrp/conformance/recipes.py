@@ -118,7 +118,7 @@ def parse_recipe(data: object, source: str = "") -> Recipe:
 
 
 def load_recipes(paths: Iterable[Path] | None = None) -> list[Recipe]:
-    """Recipes from files or folders (``*.json``, sorted); the packaged Level-1 set by default."""
+    """Recipes from files or folders (``*.json``, sorted); the packaged set (Levels 1 to 3) by default."""
     files: list[tuple[str, str]] = []
     if paths is None:
         folder = resources.files(__package__ or "coordinator.nnrp.conformance").joinpath("recipes")
@@ -286,6 +286,10 @@ def judge(recipe: Mapping[str, Any], observed: Observed, selection: ExtensionSel
     if seqs != list(range(len(seqs))):
         problems.append(f"seq is not 0, 1, 2, … in order: {seqs}")
     events = observed.events
+    # A Responses stream numbers its own events (as over HTTP): 0, 1, 2, … in the order sent.
+    numbers = [e["sequence_number"] for e in events if "sequence_number" in e]
+    if numbers != list(range(len(numbers))):
+        problems.append(f"sequence_number is not 0, 1, 2, … in order: {numbers}")
     terminal_at = [i for i, e in enumerate(events) if e.get("type") in TERMINAL_EVENT_TYPES]
     if not terminal_at:
         problems.append("no terminal event")
@@ -346,6 +350,19 @@ def check_tool_calls(expected: Sequence[Mapping[str, Any]], events: Sequence[Map
     return problems
 
 
+def completed_text(event: Mapping[str, Any]) -> str:
+    """The text of a non-streaming ``response.completed``: choice 0's message (chat), or the
+    ``output_text`` parts of the message items (a Responses object)."""
+    response = event.get("response") or {}
+    if response.get("object") == "response":
+        return "".join(str(part.get("text") or "") for item in response.get("output") or []
+                       if item.get("type") == "message"
+                       for part in item.get("content") or [] if part.get("type") == "output_text")
+    return str(response["choices"][0]["message"].get("content") or "")
+
+
 def delta_text(events: Iterable[Mapping[str, Any]], choice: int = 0) -> str:
+    """Choice ``choice``'s streamed text (a Responses ``response.output_text.delta`` has no choice:
+    it is choice 0's)."""
     return "".join(str(e.get("delta", "")) for e in events
                    if e.get("type") == "response.output_text.delta" and e.get("choice_index", 0) == choice)

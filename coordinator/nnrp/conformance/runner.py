@@ -28,6 +28,7 @@ from coordinator.nnrp.conformance.recipes import (
     Observed,
     Recipe,
     RecipeError,
+    completed_text,
     delta_text,
     judge,
     load_recipes,
@@ -152,7 +153,7 @@ async def run_operation(url: str, api_key: str | None, recipe: Mapping[str, Any]
             if last.get("type") != "response.completed":
                 problems.append(f"the non-streaming twin ended with {json.dumps(last)[:300]}")
             else:
-                text = last["response"]["choices"][0]["message"].get("content") or ""
+                text = completed_text(last)
                 streamed = delta_text(observed.events)
                 if streamed != text:
                     problems.append(f"deltas {streamed!r} != non-streaming text {text!r}")
@@ -244,7 +245,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="API key for the session and GET /nnrp/v1/capabilities")
     p.add_argument("--model", default=None, help="${MODEL_ID}; default: the first of GET /v1/models")
     p.add_argument("--recipes", type=Path, action="append", default=None,
-                   help="recipe file or folder (repeatable); default: the packaged Level-1 recipes")
+                   help="recipe file or folder (repeatable); default: the packaged recipes (Levels 1 to 3)")
     p.add_argument("--manifest", type=Path, default=None,
                    help="select by this manifest file instead of the session's")
     p.add_argument("--extension", action="append", default=[],
