@@ -2,7 +2,7 @@
 #   make venv   create/refresh .venv (only when pyproject.toml changed)
 #   make model  build the SmolLM2-135M-Instruct HF folder in .cache/models (idempotent)
 #   make run    render sidecar + engine + coordinator on 127.0.0.1 (Ctrl-C stops all)
-#   make test   the test suite (builds .venv-compat for the third-party client tests too)
+#   make test   the test suite (builds .venv-compat for the third-party client tests too, installs redis-server)
 #   make compat the third-party client and OpenAI-spec suite only (tests/compat)
 #   make lint   ruff + mypy --strict
 #   make bench  every benchmark (perf/), then docs/benchmarks.md from their reports (tens of minutes)
@@ -25,7 +25,7 @@ COMPAT_VENV  := .venv-compat
 COMPAT_REQ   := tests/compat/requirements.txt
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv compat-venv test-prereqs model run test compat lint bench relay-proof config-doc manifests compat-vllm
+.PHONY: venv compat-venv test-prereqs model redis run test compat lint bench relay-proof config-doc manifests compat-vllm
 
 venv: $(STAMP)
 
@@ -46,7 +46,15 @@ $(COMPAT_STAMP):
 
 compat-venv: $(COMPAT_STAMP)
 
-test-prereqs: venv compat-venv model lint
+test-prereqs: venv compat-venv model lint redis
+
+# A real redis-server for the fleet budget's tests (Debian's package; the tests start their own on a free
+# port). Needs root or sudo on a machine without it.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+	@redis-server --version
 
 model: venv
 	$(PY) -m token_engine.model_prep

@@ -22,12 +22,13 @@ from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.responses import build_router as build_responses_router
 from coordinator.api.openai.routes import build_router
 from coordinator.api.shutdown import install_drain
-from coordinator.config import Settings
+from coordinator.config import FleetSettings, Settings
 from coordinator.observability import tracing
 from coordinator.observability.accounting import Accounting
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
+from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, RedisFleet
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.stream import Coalescing
@@ -97,6 +98,10 @@ class Components:
             # the others are asked when they first serve a stream (docs/parsers.md).
             await self.derenderer.features.learn(strict=True)
         self._sync = asyncio.create_task(_sync_catalog(self))
+        registry, ledger = self.registry, self.ledger
+        await ledger.fleet.start(
+            lambda: {**{e.url: e.inflight_tokens for e in registry.engines}, GLOBAL: ledger.global_inflight},
+            self.admission.wake)
 
     async def aclose(self) -> None:
         """Stop background work and close every client (waiting for pending engine aborts)."""
@@ -105,6 +110,7 @@ class Components:
         if self.precise is not None:
             await self.precise.stop_all()
         await self.admission.close()
+        await self.ledger.fleet.aclose()
         await self.registry.stop()
         if self.metaserver is not None:
             await self.metaserver.stop()
@@ -128,7 +134,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     engines.on_abort = metrics.engine_abort
     registry = EngineRegistry(settings, engines.http, metrics)
     adm = settings.admission
-    ledger = TokenLedger(adm.global_tokens if adm.enabled else None)
+    ledger = TokenLedger(adm.global_tokens if adm.enabled else None, fleet=build_fleet(adm.fleet, metrics))
     admission = AdmissionController(adm, ledger, metrics)
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
@@ -260,9 +266,13 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         # Without render, requests still answer through the render fallback (native route).
         fallback = c.native is not None and c.native.available()
         ok = (sidecar_ok or fallback) and c.registry.any_healthy() and not drain.draining
+        fleet = c.settings.admission.fleet.backend
         return JSONResponse({"ready": ok, "draining": drain.draining, "render": sidecar_ok,
                              "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
-                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length},
+                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
+                             # shared / degraded (Redis unreachable: admitting with a share) / local
+                             "fleet": ("degraded" if c.ledger.fleet.degraded else "shared")
+                             if fleet == "redis" else "local"},
                             status_code=200 if ok else 503)
 
     if settings.server.metrics:
@@ -273,6 +283,17 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
             return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def build_fleet(settings: FleetSettings, metrics: Metrics) -> Fleet:
+    """The other coordinator processes' share of the budgets (admission/fleet.py)."""
+    if settings.backend == "local":
+        return LocalFleet()
+    return RedisFleet(settings.redis_url, namespace=settings.namespace, lease_ttl_s=settings.lease_ttl_s,
+                      sync_interval_s=settings.sync_interval_s, expected_replicas=settings.expected_replicas,
+                      timeout_s=settings.timeout_s,
+                      on_state=lambda degraded: metrics.fleet_degraded.set(1 if degraded else 0),
+                      on_claim=lambda result: metrics.fleet_claims.labels(result).inc())
 
 
 async def _sync_catalog(c: Components) -> None:

@@ -227,6 +227,33 @@ class TracingSettings(_Section):
     )
 
 
+class FleetSettings(_Section):
+    """One token budget across coordinator processes and replicas (docs/operations.md, "Fleet budget")."""
+
+    backend: Literal["local", "redis"] = Field(
+        default="local", description="local: this process's own count (one coordinator); redis: every "
+        "process with the same redis_url and namespace shares each engine's and the global budget"
+    )
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="the Redis server (redis backend)")
+    namespace: str = Field(
+        default="llmc", min_length=1, description="key prefix: fleets in front of different engines on one "
+        "Redis need different namespaces"
+    )
+    lease_ttl_s: float = Field(
+        default=3.0, gt=0, description="a process that stops renewing its lease this long (crash, network) "
+        "no longer counts: its tokens come back to the fleet"
+    )
+    sync_interval_s: float = Field(
+        default=0.1, gt=0, description="how often the lease is renewed and the others' holdings are read "
+        "for room checks (claims are checked atomically regardless)"
+    )
+    expected_replicas: int = Field(
+        default=1, ge=1, description="processes sharing the engines; while Redis is unreachable each admits "
+        "alone against 1/expected_replicas of every budget"
+    )
+    timeout_s: float = Field(default=0.5, gt=0, description="one Redis call's connect and read timeout")
+
+
 class AdmissionSettings(_Section):
     """Token-based flow control in front of the engines (see docs/scheduling.md)."""
 
@@ -256,6 +283,7 @@ class AdmissionSettings(_Section):
     max_waiting_per_engine: int | None = Field(
         default=None, ge=0, description="skip engines whose /metrics report more waiting requests",
     )
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
 
 
 class PrefixIndexSettings(_Section):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from coordinator.config import EngineSettings, ModelSettings, Settings
-from tests.support import CoordinatorServer, free_port, reserved_port
+from tests.support import CoordinatorServer, RedisServer, free_port, reserved_port
 
 SERVED = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 2048
@@ -69,6 +69,16 @@ def _ready(server: Any, timeout: float = 600) -> None:
         server.stop()
         server.start()
         server.wait_ready(timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real Redis for the fleet budget's shared ledger (a fresh database per test: ``redis_url``)."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,54 @@ def reserved_port() -> int:
     return free_port()
 
 
+class RedisServer:
+    """A real ``redis-server`` on a free loopback port, without persistence (``make test`` installs it).
+
+    ``stop()`` and ``start()`` again keep the port, so a client configured with ``url`` sees an outage
+    and a recovery of the same server."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; `make test` installs it (apt-get install "
+                               "redis-server)")
+        self.binary = binary
+        self.port = reserved_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: Any = None
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        import socket
+        import subprocess
+
+        self._proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port}")
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                try:
+                    sock.connect(("127.0.0.1", self.port))
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+
 def generate_calls(engine_url: str) -> float:
     """A real vLLM engine's own count of answered ``/inference/v1/generate`` calls (its /metrics):
     proof that a request took the token route."""

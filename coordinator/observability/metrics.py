@@ -53,6 +53,12 @@ class Metrics:
         self.global_inflight_tokens = Gauge("coordinator_inflight_tokens",
                                             "Tokens (prompt + max_tokens) admitted and not yet released",
                                             registry=r)
+        self.fleet_degraded = Gauge("coordinator_fleet_degraded",
+                                    "1 while the fleet budget's Redis is unreachable and this process admits "
+                                    "alone against its share of each budget", registry=r)
+        self.fleet_claims = Counter("coordinator_fleet_claims", "Fleet budget claims, by result (taken: "
+                                    "admitted; refused: another process took the room first)", ["result"],
+                                    registry=r)
         # --- engines ---
         self.engine_inflight = Gauge("coordinator_engine_inflight_requests", "Requests in flight per engine",
                                      ["engine"], registry=r)

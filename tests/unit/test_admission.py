@@ -431,3 +431,74 @@ async def test_metrics_follow_admissions_and_the_queue() -> None:
     grant.release()
     assert sample(metrics, "coordinator_inflight_tokens") == 0
     assert_idle(ctl, ledger, e)
+
+
+# -- the fleet: other coordinator processes on the same engines -------------------------------------
+
+class OtherProcesses:
+    """A fleet as the ledger sees one (``admission/fleet.py``): what the other processes hold, and a
+    verdict per claim. The Redis implementation of these answers is tested on a real server
+    (tests/integration/test_fleet_redis.py); here the controller's reaction to them is."""
+
+    def __init__(self, others: dict[str, int] | None = None, verdicts: list[bool] | None = None) -> None:
+        self.held = others or {}
+        self.verdicts = verdicts or []
+        self.claims: list[list[object]] = []
+        self.published: list[dict[str, int]] = []
+        self.shared = True
+        self.degraded = False
+        self.scale = 1.0
+
+    def others(self, key: str) -> int:
+        return self.held.get(key, 0)
+
+    async def claim(self, slots: list[object]) -> bool:
+        self.claims.append(slots)
+        return self.verdicts.pop(0) if self.verdicts else True
+
+    def publish(self, totals: dict[str, int]) -> None:
+        self.published.append(dict(totals))
+
+    async def start(self, totals: object, on_change: object) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_room_counts_what_other_processes_hold() -> None:
+    from coordinator.pipeline.admission.fleet import GLOBAL
+
+    fleet = OtherProcesses({"http://a": 70, GLOBAL: 150})
+    ledger = TokenLedger(200, fleet=fleet)  # type: ignore[arg-type]
+    a = engine("http://a")
+    assert ledger.engine_room(a, 30) and not ledger.engine_room(a, 31)
+    assert ledger.global_room(50) and not ledger.global_room(51)
+    fleet.held.clear()
+    fleet.degraded, fleet.scale = True, 0.5  # Redis down, 2 replicas expected: half of each budget
+    assert ledger.engine_room(a, 50) and ledger.engine_room(a, 400)  # idle: one oversized request runs
+    held = ledger.reserve(Placement(a), 10)
+    assert ledger.engine_room(a, 40) and not ledger.engine_room(a, 41)
+    assert ledger.global_room(90) and not ledger.global_room(91)
+    held.release()
+    assert fleet.published[-1] == {"http://a": 0, GLOBAL: 0}
+
+
+async def test_a_claim_another_process_won_waits_and_holds_nothing_meanwhile() -> None:
+    fleet = OtherProcesses(verdicts=[False])
+    ledger = TokenLedger(None, fleet=fleet)  # type: ignore[arg-type]
+    ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02)
+    a = engine("http://a")
+    task = asyncio.create_task(ctl.admit(req(40), placer(ledger, [a])))
+    await settle()
+    assert not task.done() and ctl.queue_length == 1
+    assert (a.inflight_tokens, ledger.global_inflight) == (0, 0), "a refused claim keeps nothing locally"
+    assert fleet.published[-1] == {"http://a": 0, "": 0}, "and says so to the fleet"
+    grant = await asyncio.wait_for(task, 2)  # the periodic wake retries; the second claim is taken
+    assert len(fleet.claims) == 2 and a.inflight_tokens == 40
+    first = fleet.claims[0]
+    assert [(s.key, s.own, s.delta) for s in first] == [("http://a", 40, 40), ("", 40, 40)]  # type: ignore[attr-defined]
+    grant.release()
+    assert fleet.published[-1] == {"http://a": 0, "": 0}
+    assert_idle(ctl, ledger, a)
+    await ctl.close()

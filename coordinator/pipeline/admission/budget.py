@@ -3,11 +3,14 @@
 A request's cost is the most KV it can occupy (prompt + every output token). Counting it against a
 budget *before* sending keeps engines out of preemption/recompute, which costs more than waiting here.
 The ledger is plain synchronous bookkeeping: the scheduler asks it for room while it picks engines,
-the admission controller reserves with it, and a ``Reservation`` gives the tokens back.
+the admission controller reserves with it, and a ``Reservation`` gives the tokens back. What other
+coordinator processes hold on the same engines comes from the ``Fleet`` (``fleet.py``): room checks
+add it, and the controller claims each reservation there before the request goes out.
 """
 
 from __future__ import annotations
 
+from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, Slot
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.scheduling.request import Placement
 
@@ -20,9 +23,10 @@ class TokenLedger:
     accounting but makes every room check say yes: admission switched off still measures load.
     """
 
-    def __init__(self, global_limit: int | None, *, enforce: bool = True) -> None:
+    def __init__(self, global_limit: int | None, *, enforce: bool = True, fleet: Fleet | None = None) -> None:
         self.global_limit = global_limit
         self.enforce = enforce
+        self.fleet: Fleet = fleet or LocalFleet()
         self._global_inflight = 0
 
     @property
@@ -31,12 +35,33 @@ class TokenLedger:
         return self._global_inflight
 
     def engine_room(self, engine: Engine, tokens: int) -> bool:
-        """Can ``engine`` take ``tokens`` more?"""
-        return self._fits(engine.inflight_tokens, tokens, engine.token_budget)
+        """Can ``engine`` take ``tokens`` more (what other processes hold there counted too)?"""
+        return self._fits(engine.inflight_tokens + self.fleet.others(engine.url), tokens,
+                          self._scaled(engine.token_budget))
 
     def global_room(self, tokens: int) -> bool:
         """The same rule against the global limit (None = unlimited)."""
-        return self._fits(self._global_inflight, tokens, self.global_limit)
+        return self._fits(self._global_inflight + self.fleet.others(GLOBAL), tokens,
+                          self._scaled(self.global_limit))
+
+    def _scaled(self, limit: int | None) -> int | None:
+        """This process's share of a budget: all of it unless the fleet is degraded (fleet.py)."""
+        scale = self.fleet.scale
+        return limit if limit is None or scale >= 1.0 else max(1, int(limit * scale))
+
+    def slots(self, reservation: Reservation) -> list[Slot]:
+        """What a fleet claim of ``reservation`` checks and writes: each engine share and the global
+        share, with this process's totals after it (the reservation is already counted here)."""
+        out = [Slot(e.url, e.inflight_tokens, share, e.token_budget if self.enforce else None)
+               for e, share in reservation.shares.items()]
+        out.append(Slot(GLOBAL, self._global_inflight, reservation.global_tokens,
+                        self.global_limit if self.enforce else None))
+        return out
+
+    def publish(self, engines: list[Engine]) -> None:
+        """Tell the fleet this process's new totals on ``engines`` and globally (after a release)."""
+        if self.fleet.shared:
+            self.fleet.publish({**{e.url: e.inflight_tokens for e in engines}, GLOBAL: self._global_inflight})
 
     def _fits(self, inflight: int, tokens: int, limit: int | None) -> bool:
         """An idle budget always fits: a request larger than the whole budget then runs alone instead
@@ -72,6 +97,14 @@ class Reservation:
     def released(self) -> bool:
         return not self._shares and self._global == 0
 
+    @property
+    def shares(self) -> dict[Engine, int]:
+        return dict(self._shares)
+
+    @property
+    def global_tokens(self) -> int:
+        return self._global
+
     def held(self, engine: Engine) -> int:
         """Tokens still held on ``engine`` (0 once released, or if it is not part of this request)."""
         return self._shares.get(engine, 0)
@@ -85,6 +118,7 @@ class Reservation:
         self._shares[engine] = tokens
         engine.inflight_tokens += tokens
         engine.inflight_requests += 1
+        self._ledger.publish([engine])
 
     def release_engine(self, engine: Engine) -> bool:
         """Give ``engine``'s share back early (e.g. the prefill leg finished); True if anything was
@@ -95,7 +129,8 @@ class Reservation:
         engine.inflight_tokens = max(0, engine.inflight_tokens - share)
         engine.inflight_requests = max(0, engine.inflight_requests - 1)
         if not self._shares:
-            self._release_global()
+            self._release_global(publish=False)
+        self._ledger.publish([engine])
         return True
 
     def release(self) -> bool:
@@ -105,9 +140,11 @@ class Reservation:
             changed = self.release_engine(engine) or changed
         return self._release_global() or changed
 
-    def _release_global(self) -> bool:
+    def _release_global(self, *, publish: bool = True) -> bool:
         if self._global == 0:
             return False
         self._ledger._give_back(self._global)
         self._global = 0
+        if publish:
+            self._ledger.publish([])
         return True

@@ -14,6 +14,9 @@ Rules, in one place:
   ``QueueTimeout``, 503). ``wake()`` admits waiters in order; it stops at the first that does not
   fit the *global* budget (shared by everyone, so priority order is kept) but only skips one whose
   own engines are full (another model's engines may be free).
+* **Fleet.** With a shared fleet (``admission.fleet.backend: redis``) a grant, fast or woken, is
+  then claimed over every coordinator process on the same engines (``fleet.py``); a claim another
+  process won first gives the grant back and the request waits again in its place in the queue.
 * **Disabled** (``settings.enabled = False``). The ledger is switched to accounting-only
   (``ledger.enforce = False``): every room check, the scheduler's included, says yes, so nothing
   waits for budget, yet reservations still count load for the ``load`` scorer. If ``place`` still
@@ -137,7 +140,9 @@ class AdmissionController:
         if not waiters_ahead and self.ledger.global_room(req.cost_tokens):
             placement = self._place_now(req, place)
             if placement is not None:
-                return self._grant(req, placement, prefill_tokens, arrived)
+                grant = self._grant(req, placement, prefill_tokens, arrived)
+                if not self.ledger.fleet.shared or await self._claimed(grant):  # no await for one process
+                    return grant
         if not self._settings.enabled or len(self._queue) >= self._settings.max_queue:
             self._reject("queue_full")
             raise QueueFull(f"Too many requests are waiting for capacity ({len(self._queue)}); "
@@ -161,18 +166,32 @@ class AdmissionController:
             self._reject("no_engine")
             raise
 
+    async def _claimed(self, grant: Grant) -> bool:
+        """Claim a local grant in the fleet (other coordinator processes on the same engines); a
+        refusal (another process took the room first) gives it back."""
+        if await self.ledger.fleet.claim(self.ledger.slots(grant.reservation)):
+            return True
+        grant.release()
+        return False
+
     async def _wait(self, req: SchedRequest, place: Place, prefill_tokens: PrefillTokens,
                     arrived: float, *, try_now: bool) -> Grant:
-        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         self._seq += 1
-        waiter = _Waiter((req.priority, self._seq), req, place, prefill_tokens, arrived, future)
-        self._enqueue(waiter)
+        key = (req.priority, self._seq)
+        waiter = self._queue_up(key, req, place, prefill_tokens, arrived)
+        future = waiter.future
         if try_now:
             # We queued only because others wait ahead; those that fit and this one may go now.
             self.wake()
         try:
             async with asyncio.timeout(self._settings.queue_timeout_s):
-                return await future
+                while True:
+                    grant = await future
+                    if not self.ledger.fleet.shared or await self._claimed(grant):
+                        return grant
+                    # Another process took the room: wait again in the same place in the queue.
+                    waiter = self._queue_up(key, req, place, prefill_tokens, arrived)
+                    future = waiter.future
         except TimeoutError:
             self._remove(waiter)
             if future.done() and not future.cancelled():
@@ -193,6 +212,13 @@ class AdmissionController:
             future.cancel()
             self._reject("cancelled")
             raise
+
+    def _queue_up(self, key: tuple[int, int], req: SchedRequest, place: Place, prefill_tokens: PrefillTokens,
+                  arrived: float) -> _Waiter:
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(key, req, place, prefill_tokens, arrived, future)
+        self._enqueue(waiter)
+        return waiter
 
     def _grant(self, req: SchedRequest, placement: Placement, prefill_tokens: PrefillTokens,
                arrived: float) -> Grant:
