@@ -39,7 +39,7 @@ from coordinator.config import DiscoverySettings, Settings
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("union", "pd", "cpu")
+OVERLAYS = ("union", "pd", "cpu", "fleet")
 
 # The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
 # restartPolicy Always) are GA there. Validation uses this version's strict schemas (unknown fields
@@ -122,13 +122,13 @@ class _ConfigMapOnly(Settings):
         return (init_settings,)
 
 
-def parse_settings(text: str) -> Settings:
+def parse_settings(text: str, overrides: dict[str, Any] | None = None) -> Settings:
     """The coordinator config in a ConfigMap, validated by the coordinator's own model (which refuses
     unknown keys, so a misspelt one fails here rather than being ignored in the cluster)."""
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError("the coordinator config is not a YAML mapping")
-    return _ConfigMapOnly(**data)
+    return _ConfigMapOnly(**_merged(data, overrides or {}))
 
 
 def flag(container: Obj, name: str) -> str | None:
@@ -272,12 +272,42 @@ class Fleet:
         raise LookupError(f"--config {path} is not in a ConfigMap volume of the coordinator container")
 
 
+def env_overrides(container: Obj) -> dict[str, Any]:
+    """The container's literal ``COORD_A__B=value`` variables as the nested mapping pydantic-settings
+    reads them as (values from secrets are unknown here and left out). JSON values are decoded as the
+    coordinator decodes them; anything else stays a string for the model to coerce."""
+    out: dict[str, Any] = {}
+    for var in container.get("env") or []:
+        name, value = var.get("name", ""), var.get("value")
+        if not name.startswith("COORD_") or value is None:
+            continue
+        *parents, leaf = name[len("COORD_"):].lower().split("__")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        try:
+            node[leaf] = json.loads(value)
+        except ValueError:
+            node[leaf] = value
+    return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
 def load_fleet(objects: list[Obj]) -> Fleet:
-    """A Fleet with the coordinator config parsed (or the reason it could not be)."""
+    """A Fleet with the coordinator config parsed (or the reason it could not be): the ConfigMap's
+    YAML with the coordinator container's literal ``COORD_*`` environment on top, as the process
+    reads them."""
     fleet = Fleet(objects)
     try:
         cm, key = fleet.config_map()
-        fleet.settings = parse_settings(cm["data"][key])
+        fleet.settings = parse_settings(cm["data"][key], env_overrides(fleet.coordinator_container))
     except (LookupError, ValueError, ValidationError, yaml.YAMLError) as exc:
         fleet.config_errors.append(f"[config] {exc}")
     return fleet
@@ -724,11 +754,34 @@ def cross_check(fleet: Fleet, docker: DockerFacts) -> list[tuple[str, list[str]]
     return results
 
 
+def check_fleet(f: Fleet, s: Settings) -> Iterator[str]:
+    """A Redis fleet budget: every replica must expect as many replicas as the Deployment runs (each
+    admits alone against 1/expected_replicas while Redis is down), and a Redis named by a cluster DNS
+    name must be a Service of this fleet serving the URL's port (an external host is not checked)."""
+    fleet = s.admission.fleet
+    if fleet.backend != "redis":
+        return
+    replicas = int(f.coordinator["spec"].get("replicas", 1))
+    if fleet.expected_replicas != replicas:
+        yield (f"[fleet] admission.fleet.expected_replicas {fleet.expected_replicas} != "
+               f"{f.coordinator['metadata']['name']} replicas {replicas}")
+    url = urlsplit(fleet.redis_url)
+    host, port = url.hostname or "", url.port or 6379
+    if "." in host and not host.endswith((".svc", ".svc.cluster.local")):
+        return  # an external Redis
+    name = host.split(".")[0]
+    service = next((o for o in f.of("Service") if o["metadata"]["name"] == name), None)
+    if service is None:
+        yield f"[fleet] admission.fleet.redis_url {fleet.redis_url}: no Service {name!r} in this fleet"
+    elif port not in [p.get("port") for p in service["spec"].get("ports") or []]:
+        yield f"[fleet] admission.fleet.redis_url {fleet.redis_url}: Service {name!r} has no port {port}"
+
+
 CHECKS: dict[str, Check] = {
     "model-name": check_model_names, "block-size": check_block_size,
     "max-model-len": check_max_model_len, "discovery": check_discovery, "role": check_roles,
     "kv-events": check_kv_events, "kv-transfer": check_kv_transfer, "render": check_render,
-    "probes": check_probes, "model-path": check_model_paths, "drain": check_drain,
+    "probes": check_probes, "model-path": check_model_paths, "drain": check_drain, "fleet": check_fleet,
 }
 
 

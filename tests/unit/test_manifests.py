@@ -101,7 +101,7 @@ def test_overlay_renders_validates_and_passes_every_cross_check(
 def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered: dict[str, list[Obj]]) -> None:
     roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
              for name, objs in rendered.items()}
-    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"]}
+    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"], "fleet": ["union"]}
 
 
 def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
@@ -198,6 +198,22 @@ def _cpu_env(objs: list[Obj], value: str | None) -> None:
 def _grace(objs: list[Obj], seconds: int) -> None:
     obj(objs, "Deployment", "llm-coordinator")["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"] = seconds
+
+
+def _fleet_env(objs: list[Obj], name: str, value: str) -> None:
+    env = coordinator(objs)["env"]
+    next(v for v in env if v["name"] == name)["value"] = value
+
+
+def test_fleet_overlay_shares_the_budget_through_its_own_redis(rendered: dict[str, list[Obj]]) -> None:
+    """The environment overrides on the coordinator container are read as the process reads them."""
+    settings = m.load_fleet(rendered["fleet"]).settings
+    assert settings is not None and settings.admission.fleet.backend == "redis"
+    assert settings.admission.fleet.expected_replicas == obj(rendered["fleet"], "Deployment",
+                                                             "llm-coordinator")["spec"]["replicas"] == 2
+    assert settings.scheduling.prefix.block_size == 16  # the rest is union's coordinator.yaml
+    assert obj(rendered["fleet"], "Service", "llm-coordinator-redis")["spec"]["ports"][0]["port"] == 6379
+    assert m.load_fleet(rendered["union"]).settings.admission.fleet.backend == "local"  # type: ignore[union-attr]
 
 
 BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
@@ -388,6 +404,15 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "[drain] coordinator terminationGracePeriodSeconds 80 <= preStop 0 + drain_delay_s 5 + drain_timeout_s 120"),
     ("a preStop sleep adds to the drain", "union", _coordinator_prestop,
      "[drain] coordinator terminationGracePeriodSeconds 80 <= preStop 10 +"),
+    ("fleet expects fewer replicas than run", "fleet",
+     lambda o: obj(o, "Deployment", "llm-coordinator")["spec"].update(replicas=3),
+     "[fleet] admission.fleet.expected_replicas 2 != llm-coordinator replicas 3"),
+    ("fleet redis service misnamed", "fleet",
+     lambda o: _fleet_env(o, "COORD_ADMISSION__FLEET__REDIS_URL", "redis://llm-redis.llm.svc.cluster.local:6379/0"),
+     "[fleet] admission.fleet.redis_url redis://llm-redis.llm.svc.cluster.local:6379/0: no Service 'llm-redis'"),
+    ("fleet redis port not served", "fleet",
+     lambda o: _fleet_env(o, "COORD_ADMISSION__FLEET__REDIS_URL", "redis://llm-coordinator-redis:6380/0"),
+     "Service 'llm-coordinator-redis' has no port 6380"),
     ("engine preStop shorter than discovery", "pd",
      lambda o: engine(o, "llm-engine-prefill")["lifecycle"]["preStop"]["exec"].update(command=["sleep", "5"]),
      "[drain] llm-engine-prefill: preStop sleep 5 s <= discovery interval_s 10"),
