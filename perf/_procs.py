@@ -31,6 +31,79 @@ from token_engine.simulator import SimConfig, SimulatedEngine
 SERVED = "smollm2-135m-instruct"
 
 
+def reserved_port() -> int:
+    """A port below the kernel's ephemeral range, free on every interface.
+
+    vLLM processes booting side by side take ephemeral ports for their internal ZMQ sockets; a port
+    picked by ``free_port`` (an ephemeral one, released at once) can be handed to one of them before
+    the process it was meant for binds it, and a retry with the same flags then fails the same way.
+    Ports below the range are never handed out implicitly, so only an explicit bind can take them."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randint(max(1025, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free loopback port, without persistence (``make test`` installs it).
+
+    ``stop()`` and ``start()`` again keep the port, so a client configured with ``url`` sees an outage
+    and a recovery of the same server."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; `make test` and `make redis` install it "
+                               "(apt-get install redis-server)")
+        self.binary = binary
+        self.port = reserved_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc: Any = None
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        import socket
+        import subprocess
+
+        self._proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port}")
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                try:
+                    sock.connect(("127.0.0.1", self.port))
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+
 def tree_cpu_s(pid: int | None) -> float | None:
     """User + system CPU seconds of a process and its live descendants (None if it is gone or unknown)."""
     if pid is None:
