@@ -31,6 +31,7 @@ from perf import (
     capacity,
     derender_cost,
     docs,
+    fleet_admission,
     kv_affinity,
     overload,
     scheduler_latency,
@@ -163,6 +164,19 @@ def test_overload_quick(out_root: Path, stub_render: str, capsys: pytest.Capture
     assert on["ok"] > 0 and on["rejected"] > 0 and on["failed"] == 0   # 3x: some served, some refused
     assert figures["admission_off"]["outcomes"]["rejected"] == 0
     assert (out_root / "overload" / "overload.png").stat().st_size > 0
+
+
+def test_fleet_admission_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Coordinator processes, a real redis-server and simulated engines end to end: the Redis fleet
+    keeps every engine within its budget + one request (sampled at the engines) even in a short run."""
+    fleet_admission.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "fleet_admission" and result["quick"] is True
+    assert result["capacity_rps"] > 0 and result["redis_errors"] == 0
+    assert result["redis_within_budget"], result
+    figures = json.loads((out_root / "fleet_admission" / "result.json").read_text())
+    assert figures["phases"]["redis"]["samples"] > 10 and figures["phases"]["redis"]["ok"] > 0
+    assert (out_root / "fleet_admission" / "fleet_admission.png").stat().st_size > 0
 
 
 def outcome(arrival: float, kind: str = "ok", ttft: float | None = 0.1, status: int = 200,
