@@ -233,3 +233,103 @@ def test_two_coordinators_hold_one_engine_to_one_budget(
             assert httpx.get(f"{c.url}/ready", timeout=10).json()["fleet"] == "shared"
     else:
         assert peak > 3, f"without a shared ledger the engine held only {peak}: the test shows nothing"
+
+
+def test_redis_stopped_mid_load_costs_no_request_and_leaks_nothing(
+        render_sidecar: Any, slow_engine: SimulatedEngine, coordinator_factory: CoordinatorFactory) -> None:
+    """Two coordinators under load; Redis stops for a while and comes back. Every request is answered
+    200 (none waits forever, none gets a 5xx), both say "degraded" on /ready meanwhile and "shared"
+    after, and afterwards nothing is held anywhere: not in the coordinators, not in Redis."""
+    server = RedisServer().start()
+    ns = uuid.uuid4().hex
+    fleet_cfg = {"backend": "redis", "redis_url": server.url, "namespace": ns, "expected_replicas": 2,
+                 "timeout_s": 0.2, "sync_interval_s": 0.05}
+    body = {"model": SERVED, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 20, "ignore_eos": True}
+    try:
+        coords = [coordinator_factory(render_sidecar.url, [slow_engine.url],
+                                      admission={"engine_tokens": 200, "fleet": fleet_cfg}) for _ in range(2)]
+        statuses: list[int] = []
+        stop = time.monotonic() + 6
+
+        def client(url: str) -> None:
+            with httpx.Client(timeout=60) as c:
+                while time.monotonic() < stop:
+                    statuses.append(c.post(f"{url}/v1/completions", json=body).status_code)
+
+        threads = [threading.Thread(target=client, args=(c.url,)) for c in coords for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        server.stop()
+        time.sleep(1.0)
+        seen = [httpx.get(f"{c.url}/ready", timeout=10).json() for c in coords]
+        server.start()
+        for t in threads:
+            t.join()
+        assert [r["fleet"] for r in seen] == ["degraded", "degraded"] and all(r["ready"] for r in seen)
+        assert statuses and set(statuses) == {200}, sorted(set(statuses))
+        deadline = time.monotonic() + 5
+        while any(httpx.get(f"{c.url}/ready", timeout=10).json()["fleet"] != "shared" for c in coords):
+            assert time.monotonic() < deadline, "the coordinators never shared again"
+            time.sleep(0.05)
+        for c in coords:
+            assert c.wait_idle(10) == 0
+            held = httpx.get(f"{c.url}/admin/accounting", timeout=10).json()
+            assert held["held"] == 0, held
+        import redis
+
+        keys = redis.Redis.from_url(server.url).keys(f"{ns}:b:*")
+        assert keys == [], f"holdings left in Redis: {keys}"
+    finally:
+        server.stop()
+
+
+def test_a_killed_replica_gives_the_budget_back_within_its_lease(
+        redis_server: RedisServer, render_sidecar: Any, slow_engine: SimulatedEngine,
+        coordinator_factory: CoordinatorFactory) -> None:
+    """Replica A (its own process) holds the engine's whole budget with streams in flight and is
+    SIGKILLed; replica B's request, refused room while A lived, is admitted once A's lease ends."""
+    from perf._procs import CoordinatorProcess
+
+    ns = uuid.uuid4().hex
+    fleet_cfg = {"backend": "redis", "redis_url": redis_server.url, "namespace": ns, "lease_ttl_s": 1.0,
+                 "sync_interval_s": 0.05}
+    long = {"model": SERVED, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    cost = 408
+    config = {"render": {"url": str(render_sidecar.url)},
+              "engines": [{"url": slow_engine.url, "max_inflight_tokens": 2 * cost}],
+              "models": [{"name": SERVED}], "admission": {"fleet": fleet_cfg}}
+    b = coordinator_factory(render_sidecar.url, [slow_engine.url],
+                            admission={"engine_tokens": 2 * cost, "fleet": fleet_cfg, "queue_timeout_s": 30})
+    with CoordinatorProcess(config) as a:
+        streams = [httpx.stream("POST", f"{a.url}/v1/completions", json=long, timeout=60) for _ in range(2)]
+        responses = [s.__enter__() for s in streams]
+        assert [r.status_code for r in responses] == [200, 200]
+        # Keep the line iterators: a dropped one is closed when collected, and closes its response.
+        lines = [r.iter_lines() for r in responses]
+        for it in lines:
+            next(it)  # both are running at the engine: the whole budget is A's
+        assert len(slow_engine.state()["running"]) == 2
+        assert a.proc is not None
+        result: dict[str, Any] = {}
+
+        def ask_b() -> None:
+            started = time.monotonic()
+            r = httpx.post(f"{b.url}/v1/completions", json={**long, "stream": False, "max_tokens": 4},
+                           timeout=60)
+            result.update(status=r.status_code, done=time.monotonic(), started=started)
+
+        waiter = threading.Thread(target=ask_b)
+        waiter.start()
+        time.sleep(0.5)
+        assert not result, "B was admitted while A held the whole budget"
+        a.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        waiter.join(30)
+        for r in responses:
+            r.close()
+    assert result.get("status") == 200, result
+    waited = result["done"] - killed
+    print(f"B admitted {waited:.2f} s after A was SIGKILLed (lease 1 s)")
+    assert waited < 3.0
