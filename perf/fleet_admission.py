@@ -35,16 +35,15 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from coordinator.embedded import free_port
 from perf._procs import CoordinatorProcess, RedisServer, sim_engines
 from perf._report import Progress, final_json, save_figure, write_report
+from perf.overload import render_sidecar
 
 NAME = "fleet_admission"
 SERVED = "smollm2-135m-instruct"
@@ -147,24 +146,6 @@ def completed_per_s(outs: list[dict[str, Any]], window: tuple[float, float]) -> 
     return sum(1 for o in outs if o["status"] == 200 and lo <= o["done"] < hi) / (hi - lo)
 
 
-@contextmanager
-def render(url: str | None, say: Progress) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    from render_sidecar.launch import RenderSidecar
-    from token_engine.model_prep import ensure_model
-
-    say("starting the render sidecar (real vLLM)")
-    sidecar = RenderSidecar(ensure_model(), port=free_port(), served_model_name=SERVED, echo=False)
-    sidecar.start()
-    try:
-        sidecar.wait_ready(timeout=600)
-        yield str(sidecar.url)
-    finally:
-        sidecar.stop()
-
-
 def phase(coords: list[str], engines: list[str], body: dict[str, Any], *, rate: float, seconds: float,
           warmup_s: float, seed: int) -> dict[str, Any]:
     with EngineSampler(engines) as sampler:
@@ -208,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     with ExitStack() as stack:
         redis = RedisServer().start()
         stack.callback(redis.stop)
-        render_url = stack.enter_context(render(args.render_url, say))
+        render_url = stack.enter_context(render_sidecar(args.render_url, say))
         engines, _ = stack.enter_context(sim_engines(sims))
         results: dict[str, Any] = {}
         capacity = 0.0

@@ -8,7 +8,6 @@ response object's keys, the event-type sequence and each event's key shape must 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVED, VllmStack, make_settings
+from tests.e2e.test_messages_real import collapsed, events, post  # same SSE (event: + data:) reading
 from tests.e2e.test_wire_shape import shape
 from tests.support import CoordinatorServer, generate_calls
 
@@ -35,28 +35,6 @@ def coord(vllm_stack: VllmStack) -> Iterator[CoordinatorServer]:
         yield server
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(url, json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = []
-    name = None
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as r:
-        assert r.status_code == 200, r.read().decode()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data = json.loads(line[len("data: "):])
-                assert name == data["type"], (name, data)
-                out.append((name, data))
-    return out
-
-
 def text_of(response: dict[str, Any]) -> str:
     return "".join(part["text"] for item in response["output"] if item["type"] == "message"
                    for part in item["content"])
@@ -69,16 +47,6 @@ def stable(value: Any) -> Any:
     if isinstance(value, list):
         return [stable(v) for v in value]
     return value
-
-
-def collapsed(evs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Any]]:
-    """Event names with their data shape, runs of equal ones collapsed (token steps may differ)."""
-    seq: list[tuple[str, Any]] = []
-    for name, data in evs:
-        item = (name, shape(data))
-        if not seq or seq[-1] != item:
-            seq.append(item)
-    return seq
 
 
 def test_response_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
