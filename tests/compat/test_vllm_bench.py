@@ -1,4 +1,6 @@
-"""vLLM's own benchmark client (``vllm bench serve``) against the coordinator, chat and completions.
+"""vLLM's own benchmark client (``vllm bench serve``) against the coordinator: chat, completions and
+Responses (its ``openai-responses`` backend reads the typed event stream and ``response.completed``'s
+usage).
 
 It is the strictest SSE consumer around (exact ``data: `` prefix, ``\\n\\n`` separators) and takes
 token counts from the server's usage chunk, so a framing slip fails requests and a wrong usage number
@@ -24,7 +26,8 @@ OUTPUT_LEN = 16
 
 
 @pytest.mark.parametrize(("backend", "endpoint"), [("openai-chat", "/v1/chat/completions"),
-                                                   ("openai", "/v1/completions")])
+                                                   ("openai", "/v1/completions"),
+                                                   ("openai-responses", "/v1/responses")])
 def test_vllm_bench_serve(compat_coord: CoordinatorServer, model_dir: Path, tmp_path: Path,
                           backend: str, endpoint: str) -> None:
     proc = run_tool([PYTHON, DRIVERS / "vllm_bench.py", "--backend", backend,
