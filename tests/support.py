@@ -50,6 +50,19 @@ def streamed_text(events: list[Any], kind: str = "chat") -> dict[int, str]:
     return texts
 
 
+def served_by(sims: dict[str, Any], post: Callable[[], object]) -> str:
+    """The one simulated engine (by its key in ``sims``) that ``post()``'s request reached."""
+    before = {k: s.state()["requests_total"] for k, s in sims.items()}
+    post()
+    grew = [k for k, s in sims.items() if s.state()["requests_total"] > before[k]]
+    assert len(grew) == 1, grew
+    return grew[0]
+
+
+LONG_HISTORY = " ".join(f"Line {i} of a long shared history about lighthouses." for i in range(60))
+"""A prefix long enough that KV affinity, not load, decides where a conversation goes."""
+
+
 def generate_calls(engine_url: str) -> float:
     """A real vLLM engine's own count of answered ``/inference/v1/generate`` calls (its /metrics):
     proof that a request took the token route."""

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVED, CoordinatorFactory
-from tests.support import CoordinatorServer
+from tests.support import LONG_HISTORY, CoordinatorServer, served_by
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 KEY = "k-msg"
@@ -100,14 +100,10 @@ def test_a_messages_conversation_places_where_its_chat_twin_does(
         coord = coordinator_factory(render_sidecar.url, [a.url, b.url])
         sims = {"a": a, "b": b}
 
-        def served(fn: Any) -> str:
-            before = {k: s.state()["requests_total"] for k, s in sims.items()}
-            fn()
-            grew = [k for k, s in sims.items() if s.state()["requests_total"] > before[k]]
-            assert len(grew) == 1, grew
-            return grew[0]
+        def served(post: Any) -> str:
+            return served_by(sims, post)
 
-        history = " ".join(f"Line {i} of a long shared history about lighthouses." for i in range(60))
+        history = LONG_HISTORY
         for round_ in range(3):   # three conversations; each must stick to its first engine
             body = {"model": SERVED, "max_tokens": 4, "system": f"Conversation {round_}. {history}",
                     "messages": [{"role": "user", "content": "Tell me more."}]}

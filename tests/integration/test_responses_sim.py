@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.integration.test_messages_sim import released
+from tests.support import LONG_HISTORY, served_by
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 BODY: dict[str, Any] = {"model": SERVED, "max_output_tokens": 200, "input": "Go on."}
@@ -152,13 +153,9 @@ def test_a_responses_conversation_places_where_its_chat_twin_does(
         sims = {"a": a, "b": b}
 
         def served(post: Any) -> str:
-            before = {k: s.state()["requests_total"] for k, s in sims.items()}
-            post()
-            grew = [k for k, s in sims.items() if s.state()["requests_total"] > before[k]]
-            assert len(grew) == 1, grew
-            return grew[0]
+            return served_by(sims, post)
 
-        history = " ".join(f"Line {i} of a long shared history about lighthouses." for i in range(60))
+        history = LONG_HISTORY
         for round_ in range(3):
             body = {"model": SERVED, "max_output_tokens": 4, "instructions": f"Conversation {round_}. {history}",
                     "input": [{"role": "user", "content": "Tell me more."}]}

@@ -58,9 +58,10 @@ class ResponseEvents:
         self._next = 0
 
     def number(self, event: Event) -> Event:
-        numbered = {**event, "sequence_number": self._next}
+        """``event`` (a fresh dict, as every producer here makes) with its number, set in place."""
+        event["sequence_number"] = self._next
         self._next += 1
-        return numbered
+        return event
 
     def _response(self, output: list[dict[str, Any]], status: str,
                   usage_: dict[str, Any] | None) -> dict[str, Any]:
