@@ -2,18 +2,18 @@
 
 SIGTERM (or Ctrl-C) drains it: ``/ready`` turns 503, the listener closes after
 ``server.drain_delay_s``, in-flight work gets ``server.drain_timeout_s``, then it exits 0; a second
-signal exits at once (docs/shutdown.md)."""
+signal exits at once (docs/shutdown.md). With ``server.workers`` > 1 this process supervises that many
+worker processes on one port (coordinator/api/workers.py)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 
-from coordinator.api.server import uvicorn_config
+from coordinator.api.server import configure_logging, uvicorn_config
 from coordinator.api.shutdown import draining_server
+from coordinator.api.workers import Supervisor
 from coordinator.app import build_app
 from coordinator.config import load_settings
-from coordinator.observability.events import JsonFormatter
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,13 +24,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = load_settings(args.config)
     host = args.host or settings.server.host
-    port = args.port or settings.server.port
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.server.log_format == "json":
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
+    port = settings.server.port if args.port is None else args.port  # 0: any free port
+    configure_logging(settings)
+    if settings.server.workers > 1:
+        raise SystemExit(Supervisor(settings, host, port).run())
     app = build_app(settings)
     # uvicorn's own graceful timeout is the backstop after the drain (which has its own deadline).
     config = uvicorn_config(app, settings, host=host, port=port, log_level=settings.server.log_level,

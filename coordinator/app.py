@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -134,7 +134,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     engines.on_abort = metrics.engine_abort
     registry = EngineRegistry(settings, engines.http, metrics)
     adm = settings.admission
-    ledger = TokenLedger(adm.global_tokens if adm.enabled else None, fleet=build_fleet(adm.fleet, metrics))
+    ledger = TokenLedger(adm.global_tokens if adm.enabled else None,
+                         fleet=build_fleet(adm.fleet, metrics, settings.server.workers))
     admission = AdmissionController(adm, ledger, metrics)
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
@@ -258,8 +259,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/ready")
-    async def ready() -> Response:
+    async def ready_here() -> tuple[bool, dict[str, Any]]:
+        """This process's own readiness: all of /ready with one process, one worker's part with several."""
         sidecars = await c.sidecar.health()
         sidecar_ok = any(sidecars.values())
         engines = {e.url: e.state for e in c.registry.engines}
@@ -267,28 +268,49 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         fallback = c.native is not None and c.native.available()
         ok = (sidecar_ok or fallback) and c.registry.any_healthy() and not drain.draining
         fleet = c.settings.admission.fleet.backend
-        return JSONResponse({"ready": ok, "draining": drain.draining, "render": sidecar_ok,
-                             "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
-                             "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
-                             # shared / degraded (Redis unreachable: admitting with a share) / local
-                             "fleet": ("degraded" if c.ledger.fleet.degraded else "shared")
-                             if fleet == "redis" else "local"},
-                            status_code=200 if ok else 503)
+        return ok, {"ready": ok, "draining": drain.draining, "render": sidecar_ok,
+                    "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
+                    "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
+                    # shared / degraded (Redis unreachable: admitting with a share) / local
+                    "fleet": ("degraded" if c.ledger.fleet.degraded else "shared")
+                    if fleet == "redis" else "local"}
+
+    def metrics_here() -> bytes:
+        """This process's collectors in the exposition format."""
+        c.registry.export_metrics()
+        c.scheduler.export_metrics()
+        return generate_latest(c.metrics.registry)
+
+    # With server.workers > 1 each worker's app gets ``state.pod`` (api/workers.py): whichever worker a
+    # client reaches answers /ready and /metrics for the whole pod from its siblings' answers.
+    app.state.ready_here = ready_here
+    app.state.metrics_here = metrics_here
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok, body = await ready_here()
+        pod = getattr(app.state, "pod", None)
+        if pod is not None:
+            ok, body = await pod.ready(ok, body)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     if settings.server.metrics:
         @app.get("/metrics")
         async def metrics() -> Response:
-            c.registry.export_metrics()
-            c.scheduler.export_metrics()
-            return Response(generate_latest(c.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            text = metrics_here()
+            pod = getattr(app.state, "pod", None)
+            if pod is not None:
+                text = await pod.metrics(text)
+            return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-def build_fleet(settings: FleetSettings, metrics: Metrics) -> Fleet:
-    """The other coordinator processes' share of the budgets (admission/fleet.py)."""
+def build_fleet(settings: FleetSettings, metrics: Metrics, workers: int = 1) -> Fleet:
+    """The other coordinator processes' share of the budgets (admission/fleet.py). Local with
+    ``workers`` processes in the pod (``server.workers``): each admits against 1/workers of every budget."""
     if settings.backend == "local":
-        return LocalFleet()
+        return LocalFleet(scale=1.0 / workers)
     return RedisFleet(settings.redis_url, namespace=settings.namespace, lease_ttl_s=settings.lease_ttl_s,
                       sync_interval_s=settings.sync_interval_s, expected_replicas=settings.expected_replicas,
                       timeout_s=settings.timeout_s,

@@ -42,6 +42,12 @@ class ServerSettings(_Section):
     api_keys: list[SecretStr] = Field(
         default_factory=list, description="Bearer keys accepted from clients; empty = no auth"
     )
+    workers: int = Field(
+        default=1, ge=1, le=64, description="coordinator processes serving one port (a supervisor binds it "
+        "and starts this many workers sharing it), one event loop each; /metrics and /ready answer for "
+        "all of them. With more than one, budgets are "
+        "shared through admission.fleet (redis), or split evenly between the workers (local)"
+    )
     request_mode: Literal["strict", "compat"] = Field(
         default="strict",
         description="strict: unsupported request fields are a 400; compat: they are ignored and logged",

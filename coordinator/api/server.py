@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import uvicorn
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from coordinator.config import Settings
+from coordinator.observability.events import JsonFormatter
 from coordinator.pipeline.errors import RequestTimeout
 
 _BODY = json.dumps(RequestTimeout("Request headers were not received in time").body(),
@@ -82,3 +84,15 @@ def uvicorn_config(app: FastAPI, settings: Settings, *, host: str, port: int,
     """The server configuration every entry point (CLI, embedded, tests) uses."""
     return uvicorn.Config(app, host=host, port=port,
                           http=header_timeout_protocol(settings.limits.header_timeout_s), **options)
+
+
+def configure_logging(settings: Settings, worker: int | None = None) -> None:
+    """Log level and format from ``server``; a worker process (``server.workers``) names itself in
+    text lines, so a pod's interleaved log still tells the workers apart."""
+    who = "" if worker is None else f"worker-{worker} "
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
+    if settings.server.log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much

@@ -4,7 +4,9 @@ Each coordinator process counts what it admitted itself (``TokenLedger``). With 
 front of the same engines (replicas, workers), each would otherwise give an engine its whole budget:
 N processes, N times the budget. A ``Fleet`` adds the others' share:
 
-* ``LocalFleet``: no others (one process; the embedded default, today's behaviour).
+* ``LocalFleet``: no others to ask. Alone (the embedded default) it holds the whole budget; as one
+  of N worker processes of a pod (``server.workers``) each worker takes ``scale = 1/N`` of every
+  budget, so the pod together never exceeds it without any shared state.
 * ``RedisFleet``: every process keeps, per engine and for the global budget, one field in a Redis
   hash: ``<version>:<tokens it holds>``. Admission first reserves locally (synchronously, so the
   scheduler's room checks stay cheap), then *claims* in Redis: one Lua script checks, atomically
@@ -76,11 +78,15 @@ class Fleet(Protocol):
 
 
 class LocalFleet:
-    """One process: nobody else holds anything, every claim is already decided locally."""
+    """Nobody else is asked: every claim is decided locally, against ``scale`` of each budget."""
 
     shared = False  # admission skips claims and publishing altogether
     degraded = False
-    scale = 1.0
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if not 0.0 < scale <= 1.0:
+            raise ValueError(f"scale must be in (0, 1], not {scale}")
+        self.scale = scale
 
     def others(self, key: str) -> int:
         return 0
