@@ -22,13 +22,15 @@ from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.responses import build_router as build_responses_router
 from coordinator.api.openai.routes import build_router
 from coordinator.api.shutdown import install_drain
-from coordinator.config import FleetSettings, Settings
+from coordinator.config import FleetSettings, Settings, TenantsSettings
 from coordinator.observability import tracing
 from coordinator.observability.accounting import Accounting
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
-from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, RedisFleet
+from coordinator.pipeline.admission.fleet import Fleet, LocalFleet, RedisFleet
+from coordinator.pipeline.admission.rate_limits import Buckets, LocalBuckets, RedisBuckets, TenantLimiter
+from coordinator.pipeline.admission.tenants import TenantDirectory
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.stream import Coalescing
@@ -74,7 +76,10 @@ class Components:
     derenderer: Derenderer | None = None
     trigger: TriggerBoard | None = None  # trigger P/D engines: the callbacks their metaserver serves
     metaserver: Metaserver | None = None
+    tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory(TenantsSettings()))
+    limiter: TenantLimiter | None = None  # tenants' requests and tokens per minute
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def derender_parsers(self) -> bool:
         """The sidecars run parsers (as learned from them, or as the config says)."""
@@ -98,15 +103,19 @@ class Components:
             # the others are asked when they first serve a stream (docs/parsers.md).
             await self.derenderer.features.learn(strict=True)
         self._sync = asyncio.create_task(_sync_catalog(self))
+        if self.settings.tenants.file is not None:
+            self._watch = asyncio.create_task(self.tenants.watch(), name="tenants-file")
         registry, ledger = self.registry, self.ledger
-        await ledger.fleet.start(
-            lambda: {**{e.url: e.inflight_tokens for e in registry.engines}, GLOBAL: ledger.global_inflight},
-            self.admission.wake)
+        await ledger.fleet.start(lambda: ledger.totals(registry.engines), self.admission.wake)
 
     async def aclose(self) -> None:
         """Stop background work and close every client (waiting for pending engine aborts)."""
         if self._sync is not None:
             self._sync.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.limiter is not None:
+            await self.limiter.aclose()
         if self.precise is not None:
             await self.precise.stop_all()
         await self.admission.close()
@@ -134,9 +143,13 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     engines.on_abort = metrics.engine_abort
     registry = EngineRegistry(settings, engines.http, metrics)
     adm = settings.admission
+    tenants = TenantDirectory(settings.tenants, settings.server.api_keys)
     ledger = TokenLedger(adm.global_tokens if adm.enabled else None,
-                         fleet=build_fleet(adm.fleet, metrics, settings.server.workers))
-    admission = AdmissionController(adm, ledger, metrics)
+                         fleet=build_fleet(adm.fleet, metrics, settings.server.workers),
+                         tenant_limit=lambda name: tenants.get(name).concurrent_tokens)
+    admission = AdmissionController(adm, ledger, metrics, weight=lambda name: tenants.get(name).weight,
+                                    queue_share=settings.tenants.max_queue_share)
+    limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
     precise: PreciseIndexSource | None = None
@@ -203,13 +216,15 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         coalescing=Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
                               settings.stream.buffer_tokens),
         early_refusal=admission.check_early,
+        limiter=limiter,
         observer=observer,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
-                      metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None)
+                      metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
+                      tenants=tenants, limiter=limiter)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -240,7 +255,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         app.add_middleware(tracing.TraceContextMiddleware)
     drain = install_drain(app, settings.server)  # SIGTERM: /ready 503, then drain (docs/shutdown.md)
     install_handlers(app)
-    auth = ApiKeyCheck(settings.server.api_keys)
+    auth = ApiKeyCheck(directory=c.tenants)
     app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
     app.include_router(build_responses_router(c.pipeline, ResponsesTranslator(c.sidecar), auth, settings))
@@ -279,6 +294,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         """This process's collectors in the exposition format."""
         c.registry.export_metrics()
         c.scheduler.export_metrics()
+        c.admission.export_metrics()
         return generate_latest(c.metrics.registry)
 
     # With server.workers > 1 each worker's app gets ``state.pod`` (api/workers.py): whichever worker a
@@ -316,6 +332,20 @@ def build_fleet(settings: FleetSettings, metrics: Metrics, workers: int = 1) -> 
                       timeout_s=settings.timeout_s,
                       on_state=lambda degraded: metrics.fleet_degraded.set(1 if degraded else 0),
                       on_claim=lambda result: metrics.fleet_claims.labels(result).inc())
+
+
+def build_limiter(settings: Settings, metrics: Metrics) -> TenantLimiter:
+    """Tenants' per-minute buckets: in Redis with the Redis fleet (limits hold over every process),
+    else in this process (split between ``server.workers``)."""
+    fleet = settings.admission.fleet
+    buckets: Buckets
+    if fleet.backend == "redis":
+        buckets = RedisBuckets(fleet.redis_url, namespace=fleet.namespace, timeout_s=fleet.timeout_s,
+                               expected_replicas=fleet.expected_replicas)
+    else:
+        buckets = LocalBuckets(1.0 / settings.server.workers)
+    return TenantLimiter(buckets,
+                         lambda tenant, limit: metrics.tenant_rate_limited.labels(tenant, limit).inc())
 
 
 async def _sync_catalog(c: Components) -> None:

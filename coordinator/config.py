@@ -40,7 +40,8 @@ class ServerSettings(_Section):
         default=8000, description="listen port for HTTP, NNRP and /metrics (`--port` overrides it)"
     )
     api_keys: list[SecretStr] = Field(
-        default_factory=list, description="Bearer keys accepted from clients; empty = no auth"
+        default_factory=list, description="Bearer keys accepted from clients, all of the `default` tenant; "
+        "empty, and no tenant has keys = no auth (docs/tenants.md)"
     )
     workers: int = Field(
         default=1, ge=1, le=64, description="coordinator processes serving one port (a supervisor binds it "
@@ -258,6 +259,64 @@ class FleetSettings(_Section):
         "alone against 1/expected_replicas of every budget"
     )
     timeout_s: float = Field(default=0.5, gt=0, description="one Redis call's connect and read timeout")
+
+
+class TenantLimits(_Section):
+    """What one tenant may use, and its share when the engines are busy (docs/tenants.md)."""
+
+    weight: float = Field(
+        default=1.0, gt=0, description="share of the engines while tenants wait for budget: waiting "
+        "requests are admitted so each busy tenant's admitted tokens grow in proportion to its weight"
+    )
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="requests per minute (a token bucket that refills continuously); "
+        "over it → 429 with Retry-After and x-ratelimit-* headers; null = no limit"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="tokens per minute, counted as OpenAI does: prompt + max_tokens "
+        "(times n) when the request is admitted; null = no limit"
+    )
+    concurrent_tokens: int | None = Field(
+        default=None, ge=1, description="in-flight tokens (prompt + max_tokens times n) of the tenant's "
+        "admitted requests; more waits in the admission queue; null = no limit"
+    )
+
+
+class TenantSettings(TenantLimits):
+    """A named tenant and the API keys that are it."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$", description="shown in metrics and logs")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Bearer keys of this tenant")
+
+
+class TenantsSettings(_Section):
+    """API keys → tenants, their limits and shares (docs/tenants.md)."""
+
+    default: TenantLimits = Field(
+        default_factory=TenantLimits, description="the `default` tenant: requests with a server.api_keys "
+        "key, or any request when no key is configured"
+    )
+    members: list[TenantSettings] = Field(default_factory=list, description="the named tenants")
+    file: str | None = Field(
+        default=None, description="a YAML file with more tenants (`members:` as here), re-read when it "
+        "changes; a file that does not parse keeps the tenants in force and logs why"
+    )
+    reload_interval_s: float = Field(default=2.0, gt=0, description="how often `file` is checked for changes")
+    max_queue_share: bool = Field(
+        default=True, description="true: when the admission queue is full, a tenant waiting less than its "
+        "weight's share of it takes the place of the newest waiter of the tenant furthest over its share "
+        "(that one gets the 429); false: the newcomer gets the 429"
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> TenantsSettings:
+        names = [t.name for t in self.members]
+        if "default" in names or len(set(names)) != len(names):
+            raise ValueError("tenants.members: names must be unique and not 'default'")
+        keys = [k.get_secret_value() for t in self.members for k in t.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("tenants.members: an API key belongs to two tenants")
+        return self
 
 
 class AdmissionSettings(_Section):
@@ -545,6 +604,7 @@ class Settings(BaseSettings):
     engine_client: EngineClientSettings = Field(default_factory=EngineClientSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    tenants: TenantsSettings = Field(default_factory=TenantsSettings)
     scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
     topology: TopologySettings = Field(default_factory=TopologySettings)
     resilience: ResilienceSettings = Field(default_factory=ResilienceSettings)

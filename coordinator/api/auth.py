@@ -1,30 +1,27 @@
-"""Optional client API keys (Bearer). Client credentials are checked here and never forwarded."""
+"""Client API keys (Bearer): the key names the tenant. Client credentials are checked here and never
+forwarded."""
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import Iterable
 
 from pydantic import SecretStr
 
-from coordinator.pipeline.errors import Unauthorized
+from coordinator.config import TenantsSettings
+from coordinator.pipeline.admission.tenants import Tenant, TenantDirectory
 
 
 class ApiKeyCheck:
-    def __init__(self, keys: list[SecretStr]) -> None:
-        self._keys = [k.get_secret_value().encode() for k in keys]
+    """What every door calls with the request's ``Authorization`` header: the tenant it is, or
+    ``Unauthorized`` (401). ``keys``: server-wide keys of the ``default`` tenant (when no directory is
+    given, e.g. in tests)."""
+
+    def __init__(self, keys: Iterable[SecretStr] = (), directory: TenantDirectory | None = None) -> None:
+        self.directory = directory if directory is not None else TenantDirectory(TenantsSettings(), keys)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return self.directory.auth_enabled
 
-    def __call__(self, authorization: str | None) -> None:
-        if not self._keys:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        given = token.strip().encode()
-        # Compare against every key so timing does not reveal which (or whether one) matched early.
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(given, key)
-        if scheme.lower() != "bearer" or not ok:
-            raise Unauthorized("Invalid or missing API key. Send 'Authorization: Bearer <key>'.")
+    def __call__(self, authorization: str | None) -> Tenant:
+        return self.directory.authenticate(authorization)

@@ -24,6 +24,7 @@ from coordinator.api.openai.sse import OwningStreamingResponse
 from coordinator.api.shutdown import RECORD_KEY
 from coordinator.config import Settings
 from coordinator.observability.record import Door, Record
+from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
 from coordinator.pipeline.native_route import ChunkStream
@@ -53,7 +54,7 @@ class Prepared:
 
 
 async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *, kind: Kind,
-                     operation: str, authorize: Callable[[Request], None], wire: Wire,
+                     operation: str, authorize: Callable[[Request], Tenant], wire: Wire,
                      prepare: Callable[[Any, str], Awaitable[Any]] | None = None) -> Response:
     """``prepare(body, request_id)``: the API's body → the pipeline's (e.g. Messages → chat), or a
     ``Prepared`` with the wire to write this request's answer with."""
@@ -64,7 +65,7 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
                           operation=operation)
     request.scope[RECORD_KEY] = record  # the drain deadline records its cut as a 503 (api/shutdown.py)
     try:
-        authorize(request)
+        tenant = authorize(request)
         body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
                                     max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
         if prepare is not None:
@@ -74,7 +75,7 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         served = await pipeline.serve(
             kind, body, request_id,
             priority=header_priority(request.headers.get(settings.admission.priority_header)),
-            gone=lambda: _disconnected(request), record=record, operation=operation)
+            gone=lambda: _disconnected(request), record=record, operation=operation, tenant=tenant)
     except PipelineError as exc:
         record.fail(exc, exc.status)
         record.finish()
@@ -128,12 +129,14 @@ def peer(client: Address | None) -> str | None:
 
 def route_headers(ctx: RequestContext) -> dict[str, str]:
     """Say so when a request left the default path (render + token-only engines): the native route
-    (an engine's OpenAI API) and/or the local tokenizer (render was unavailable)."""
+    (an engine's OpenAI API) and/or the local tokenizer (render was unavailable); and the tenant's
+    rate-limit state, as OpenAI sends it on every answer."""
     out: dict[str, str] = {}
     if ctx.route != "tokens":
         out["X-Coordinator-Route"] = ctx.route
     if ctx.tokenizer_source != "render":
         out["X-Tokenizer-Source"] = ctx.tokenizer_source
+    out.update(ctx.rate_headers)  # the tenant's x-ratelimit-* (rate_limits.py)
     return out
 
 

@@ -50,6 +50,7 @@ from coordinator.nnrp.profile import (
 )
 from coordinator.nnrp.responses import ResponsesStreamMapper, map_models, map_response
 from coordinator.observability.record import Observer, Record
+from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import ClientGone, PipelineError
 from coordinator.pipeline.native_route import ChunkStream
@@ -94,7 +95,7 @@ class Runner(Protocol):
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
                     gone: Gone | None = None, record: Record | None = None,
-                    operation: str | None = None) -> ServedLike: ...
+                    operation: str | None = None, tenant: Tenant = ANONYMOUS) -> ServedLike: ...
 
 
 class ResponsesForms(Protocol):
@@ -160,7 +161,7 @@ class Session:
     declared operation can never fail for want of its means)."""
 
     def __init__(self, transport: Transport, runner: Runner, settings: NnrpSettings, manifest: Manifest,
-                 auth: Callable[[str | None], None], *, authorization: str | None = None,
+                 auth: Callable[[str | None], Tenant], *, authorization: str | None = None,
                  session_id: str | None = None, observer: Observer | None = None,
                  connection_id: str | None = None, models: Callable[[], Mapping[str, Any]] | None = None,
                  responses: ResponsesForms | None = None) -> None:
@@ -176,6 +177,7 @@ class Session:
         self._manifest_doc = manifest.to_dict()
         self._auth = auth
         self._header_auth = authorization
+        self.tenant = ANONYMOUS  # the key's tenant, once open
         self.id = session_id or uuid.uuid4().hex[:16]
         self._observer = observer  # where each operation's observation record goes
         self._connection_id = connection_id
@@ -341,7 +343,8 @@ class Session:
             raise F.FrameError(F.UNSUPPORTED_SCHEMA_VERSION, f"this server speaks profile {PROFILE!r}, "
                                f"schema_version {SCHEMA_VERSION!r}", frame_type="open")
         try:
-            self._auth(frame.authorization if frame.authorization is not None else self._header_auth)
+            self.tenant = self._auth(frame.authorization if frame.authorization is not None
+                                     else self._header_auth)
         except PipelineError as exc:
             await self._error(F.FrameError(F.UNAUTHORIZED, exc.message, frame_type="open"))
             self._close_code, self._close_reason = F.CLOSE_UNAUTHORIZED, "unauthorized"
@@ -445,7 +448,7 @@ class Session:
             if op.envelope.policy.cache == "isolated" and "cache_salt" not in body:
                 body = {**body, "cache_salt": secrets.token_hex(16)}  # shares no cached prefix
             served = await self._runner.serve("chat", body, op.request_id, record=op.record,
-                                              operation=operation)
+                                              operation=operation, tenant=self.tenant)
             if served.stream is None:
                 response = served.response or {}
                 await self._whole(op, map_chat_completion(response) if form is None

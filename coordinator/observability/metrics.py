@@ -59,6 +59,20 @@ class Metrics:
         self.fleet_claims = Counter("coordinator_fleet_claims", "Fleet budget claims, by result (taken: "
                                     "admitted; refused: another process took the room first)", ["result"],
                                     registry=r)
+        # --- tenants (labels: the configured tenant names, a bounded set) ---
+        self.tenant_admitted_tokens = Counter("coordinator_tenant_admitted_tokens",
+                                              "Tokens (prompt + max_tokens times n) admitted, per tenant",
+                                              ["tenant"], registry=r)
+        self.tenant_rejected = Counter("coordinator_tenant_rejected", "Engine requests refused by admission, "
+                                       "per tenant and reason", ["tenant", "reason"], registry=r)
+        self.tenant_rate_limited = Counter("coordinator_tenant_rate_limited", "Requests refused with a 429 "
+                                           "by a tenant's requests or tokens per minute", ["tenant", "limit"],
+                                           registry=r)
+        self.tenant_inflight_tokens = Gauge("coordinator_tenant_inflight_tokens",
+                                            "Tokens admitted and not yet released, per tenant", ["tenant"],
+                                            registry=r)
+        self.tenant_queue_length = Gauge("coordinator_tenant_queue_length",
+                                         "Requests waiting for admission, per tenant", ["tenant"], registry=r)
         # --- engines ---
         self.engine_inflight = Gauge("coordinator_engine_inflight_requests", "Requests in flight per engine",
                                      ["engine"], registry=r)

@@ -45,7 +45,9 @@ class RequestContext:
     model: str                        # served model name
     stream: bool
     include_usage: bool
-    priority: int = 0                 # admission order: lower = sooner (vLLM's convention)
+    priority: int = 0                 # admission order within the tenant: lower = sooner (vLLM's convention)
+    tenant: str = "default"           # whose limits and share (the API key's tenant)
+    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the answer
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: list[PromptPlan] = field(default_factory=list)
     derender_request: dict[str, Any] = field(default_factory=dict)  # see derender.client.request_view

@@ -7,6 +7,7 @@ Every stage raises one of these; the front doors turn them into the OpenAI error
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -19,6 +20,7 @@ class PipelineError(Exception):
     status: int = 500
     type: str = "InternalServerError"
     retry_after: int | None = None  # seconds; front doors send it as ``Retry-After``
+    headers: dict[str, str] | None = None  # more response headers (a rate limit's x-ratelimit-*)
 
     def __init__(self, message: str, *, param: str | None = None, status: int | None = None,
                  type: str | None = None) -> None:
@@ -164,6 +166,25 @@ class QueueFull(Overloaded):
 
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message, status=429, type="RateLimitError", retry_after=retry_after)
+
+
+class RateLimited(PipelineError):
+    """429: the tenant's requests or tokens per minute are spent (``rate_limits.py``); ``limit`` says
+    which. The body is the usual error body (its message names the limit); the headers carry the
+    bucket's state as OpenAI sends it."""
+
+    status = 429
+    type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after_s: float | None, headers: dict[str, str],
+                 code: str) -> None:
+        super().__init__(message)
+        self.limit = code
+        self.headers = dict(headers)
+        if retry_after_s is not None:
+            self.retry_after = max(1, math.ceil(retry_after_s))
+            # OpenAI's SDKs read this one first: the wait to the millisecond.
+            self.headers["retry-after-ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
 
 
 class QueueTimeout(Overloaded):

@@ -185,7 +185,7 @@ class NativeRoute:
         cost = sum(p.prompt_tokens + p.max_tokens * p.n for p in plans) - len(first)
         salt = body.get("cache_salt")
         req = SchedRequest(request_id=ctx.request_id, model=ctx.model, prompt_token_ids=first,
-                           max_tokens=max(1, cost), priority=ctx.priority,
+                           max_tokens=max(1, cost), priority=ctx.priority, tenant=ctx.tenant,
                            cache_salt=salt if isinstance(salt, str) else None, native_api=True)
         return req, body
 

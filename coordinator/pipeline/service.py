@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 from coordinator.observability.events import event
 from coordinator.observability.record import Observer, Record, current
+from coordinator.pipeline.admission.rate_limits import TenantLimiter
+from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer, request_view
@@ -73,7 +75,8 @@ class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
                  derenderer: Derenderer, strict: bool, queue_chunks: int,
                  coalescing: Coalescing | None = None,
-                 early_refusal: Callable[[int], None] | None = None,
+                 early_refusal: Callable[[int, str], None] | None = None,
+                 limiter: TenantLimiter | None = None,
                  observer: Observer | None = None) -> None:
         self.catalog = catalog
         self.observer = observer  # where finished observation records go (doors start theirs here)
@@ -84,6 +87,7 @@ class Pipeline:
         self._queue_chunks = queue_chunks
         self._coalescing = coalescing or Coalescing()
         self._early_refusal = early_refusal  # admission's "queue full" check, run before render
+        self._limiter = limiter  # tenants' requests and tokens per minute
         self.inflight = 0  # client requests between begin() and their release
         self._sessions: weakref.WeakSet[StreamSession] = weakref.WeakSet()
 
@@ -114,13 +118,14 @@ class Pipeline:
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
                     gone: Gone | None = None, record: Record | None = None,
-                    operation: str | None = None) -> Served:
+                    operation: str | None = None, tenant: Tenant = ANONYMOUS) -> Served:
         """One client request, whatever the door: validate → render → admission → scheduling →
         generate → derender. Raises a ``PipelineError`` for the client, or ``ClientGone`` when ``gone``
         completes first (what was acquired is released either way). A streaming answer holds its
         resources until the door awaits ``Served.aclose()``.
 
         ``priority`` is the door's own priority signal (e.g. a header), used when the body has none.
+        ``tenant``: whose request (the door authenticated its key); its limits apply.
         ``record`` is the door's observation record: the pipeline fills its part and the door finishes
         it; without one the pipeline makes its own and finishes it when the request is released."""
         own = record is None
@@ -133,7 +138,7 @@ class Pipeline:
             stack.callback(record.finish)  # runs last, after every release
         await stack.enter_async_context(self.track())
         try:
-            ctx = await self.begin(kind, body, request_id, priority, record)
+            ctx = await self.begin(kind, body, request_id, priority, record, tenant=tenant)
             if not ctx.stream:
                 response = await _unless_gone(gone, self.complete(ctx))
                 usage = response.get("usage") or {}
@@ -164,11 +169,12 @@ class Pipeline:
 
     async def begin(self, kind: Kind, body: Any, request_id: str | None,
                     priority: int | None = None, record: Record | None = None, *,
-                    admit: bool = True) -> RequestContext:
+                    admit: bool = True, tenant: Tenant = ANONYMOUS) -> RequestContext:
         """Validate and render; after this the prompt token ids are known.
 
         ``priority`` applies when the body has no ``priority`` (default 0). ``admit=False``: skip
-        admission's early "queue full" refusal (nothing will be queued)."""
+        admission's early "queue full" refusal and the tenant's rate limits (nothing will be queued).
+        The tenant's requests per minute are charged before render, its tokens per minute after."""
         body = validate_request(kind, body, strict=self._strict)
         entry = self.catalog.resolve(body.get("model"))
         body = {**body, "model": entry.name}
@@ -177,12 +183,15 @@ class Pipeline:
         include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
-                             priority=_priority(body, priority))
+                             priority=_priority(body, priority), tenant=tenant.name)
         if record is not None:
             ctx.record = record
             record.model, record.stream = ctx.model, stream
+        limiter = self._limiter if admit else None
+        if limiter is not None:
+            ctx.rate_headers = await limiter.requests(tenant)
         if admit and self._early_refusal is not None:
-            self._early_refusal(ctx.priority)
+            self._early_refusal(ctx.priority, tenant.name)
         started = time.perf_counter()
         await self._render(ctx, entry)
         ctx.record.render_ms = render_ms = round((time.perf_counter() - started) * 1000, 2)
@@ -190,6 +199,10 @@ class Pipeline:
         event(log, "render", ctx.request_id, model=ctx.model, tokenizer_source=ctx.tokenizer_source,
               route=ctx.route, prompts=len(ctx.prompts), prompt_tokens=prompt_tokens, latency_ms=render_ms)
         ctx.derender_request = request_view(ctx)
+        if limiter is not None:
+            # What OpenAI counts against tokens per minute: the prompt plus every token it may write.
+            cost = sum(p.prompt_tokens + p.max_tokens * p.n for p in ctx.prompts)
+            ctx.rate_headers.update(await limiter.tokens(tenant, cost))
         return ctx
 
     # -- non-streaming -------------------------------------------------------------------------

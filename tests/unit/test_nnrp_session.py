@@ -99,10 +99,13 @@ class Runner:
         self.n, self.delay, self.fail = n, delay, fail
         self.served: list[FakeServed] = []
         self.calls: list[tuple[dict[str, Any], str | None]] = []  # (body, operation) per serve
+        self.tenants: list[Any] = []  # the tenant each serve ran for
 
     async def serve(self, kind: str, body: Any, request_id: str, *, priority: int | None = None,
-                    gone: Any = None, record: Any = None, operation: str | None = None) -> FakeServed:
+                    gone: Any = None, record: Any = None, operation: str | None = None,
+                    tenant: Any = None) -> FakeServed:
         self.calls.append((body, operation))
+        self.tenants.append(tenant)
         if self.fail is not None:
             raise self.fail
         ctx = RequestContext(kind="chat", request_id=request_id, body=body, model="m",

@@ -18,6 +18,7 @@ from coordinator.api.body import read_json_body
 from coordinator.api.door import OnError, Wire, client_request_id, serve_http
 from coordinator.config import Settings
 from coordinator.observability.record import Record
+from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.messages.convert import MessageStream, error_event, to_message
 from coordinator.pipeline.messages.translate import MessagesTranslator, in_messages_terms
@@ -43,6 +44,8 @@ def error_response(exc: PipelineError, request_id: str | None = None) -> JSONRes
     headers = {"X-Request-Id": request_id, "request-id": request_id} if request_id else {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.headers:
+        headers.update(exc.headers)
     return JSONResponse({"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}},
                         status_code=exc.status, headers=headers)
 
@@ -78,10 +81,10 @@ def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKe
     wire = Wire(error=error_response, body=lambda chat, _: to_message(chat),
                 stream=lambda session, on_error, record, _: message_events(session, on_error, record))
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> Tenant:
         """Anthropic clients send ``x-api-key``; ``Authorization: Bearer`` works too."""
         key = request.headers.get("x-api-key")
-        auth(f"Bearer {key}" if key is not None else request.headers.get("authorization"))
+        return auth(f"Bearer {key}" if key is not None else request.headers.get("authorization"))
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:

@@ -24,6 +24,8 @@ def error_response(exc: PipelineError, request_id: str | None = None) -> JSONRes
     headers = {"X-Request-Id": request_id} if request_id else {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
+    if exc.headers:
+        headers.update(exc.headers)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

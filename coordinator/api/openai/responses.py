@@ -19,6 +19,7 @@ from coordinator.api.door import OnError, Prepared, Wire, serve_http
 from coordinator.api.openai.errors import error_response
 from coordinator.config import Settings
 from coordinator.observability.record import Record
+from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.native_route import ChunkStream
@@ -83,8 +84,8 @@ def build_router(pipeline: Pipeline, translator: ResponsesTranslator, auth: ApiK
     default = Wire(error=responses_error, body=lambda chat, _: chat,
                    stream=lambda *_: _no_stream())
 
-    def authorize(request: Request) -> None:
-        auth(request.headers.get("authorization"))
+    def authorize(request: Request) -> Tenant:
+        return auth(request.headers.get("authorization"))
 
     async def prepare(body: Any, request_id: str) -> Prepared:
         form = await translator.form(body, request_id)

@@ -10,6 +10,7 @@ from coordinator.api.door import Wire, serve_http
 from coordinator.api.openai.errors import error_response
 from coordinator.api.openai.sse import sse_body
 from coordinator.config import Settings
+from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.catalog import model_cards
 from coordinator.pipeline.context import Kind
 from coordinator.pipeline.errors import PipelineError
@@ -21,8 +22,8 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     wire = Wire(error=error_response, body=lambda response, _: response,
                 stream=lambda session, on_error, record, _: sse_body(session, on_error, record))
 
-    def authorize(request: Request) -> None:
-        auth(request.headers.get("authorization"))
+    def authorize(request: Request) -> Tenant:
+        return auth(request.headers.get("authorization"))
 
     async def handle(kind: Kind, request: Request) -> Response:
         return await serve_http(request, pipeline, settings, kind=kind, operation=OPERATIONS[kind],

@@ -6,9 +6,15 @@ The ledger is plain synchronous bookkeeping: the scheduler asks it for room whil
 the admission controller reserves with it, and a ``Reservation`` gives the tokens back. What other
 coordinator processes hold on the same engines comes from the ``Fleet`` (``fleet.py``): room checks
 add it, and the controller claims each reservation there before the request goes out.
+
+Tenants with a ``concurrent_tokens`` limit are one more budget: the tokens their admitted requests
+hold (each request counted once, like the global budget), checked and claimed the same way, so the
+limit holds over the fleet too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, Slot
 from coordinator.pipeline.engines.registry import Engine
@@ -23,11 +29,14 @@ class TokenLedger:
     accounting but makes every room check say yes: admission switched off still measures load.
     """
 
-    def __init__(self, global_limit: int | None, *, enforce: bool = True, fleet: Fleet | None = None) -> None:
+    def __init__(self, global_limit: int | None, *, enforce: bool = True, fleet: Fleet | None = None,
+                 tenant_limit: Callable[[str], int | None] = lambda tenant: None) -> None:
         self.global_limit = global_limit
         self.enforce = enforce
         self.fleet: Fleet = fleet or LocalFleet()
+        self.tenant_limit = tenant_limit  # a tenant's concurrent_tokens (None = unlimited), read each time
         self._global_inflight = 0
+        self._tenants: dict[str, int] = {}
 
     @property
     def global_inflight(self) -> int:
@@ -44,6 +53,32 @@ class TokenLedger:
         return self._fits(self._global_inflight + self.fleet.others(GLOBAL), tokens,
                           self._scaled(self.global_limit))
 
+    def tenant_inflight(self, tenant: str) -> int:
+        """Tokens ``tenant``'s admitted requests hold in this process."""
+        return self._tenants.get(tenant, 0)
+
+    def tenant_names(self) -> list[str]:
+        """The tenants that have held tokens here."""
+        return list(self._tenants)
+
+    def tenant_room(self, tenant: str, tokens: int) -> bool:
+        """The same rule against the tenant's ``concurrent_tokens`` (what other processes hold for it
+        counted too)."""
+        limit = self.tenant_limit(tenant)
+        if limit is None:
+            return True
+        return self._fits(self._tenants.get(tenant, 0) + self.fleet.others(tenant_slot(tenant)), tokens,
+                          self._scaled(limit))
+
+    def totals(self, engines: list[Engine]) -> dict[str, int]:
+        """Every slot this process counts, zeros included (what the fleet's lease renewal writes)."""
+        out = {e.url: e.inflight_tokens for e in engines}
+        out[GLOBAL] = self._global_inflight
+        for tenant, held in self._tenants.items():
+            if self.tenant_limit(tenant) is not None:
+                out[tenant_slot(tenant)] = held
+        return out
+
     def _scaled(self, limit: int | None) -> int | None:
         """This process's share of a budget: all of it unless the fleet is degraded (fleet.py)."""
         scale = self.fleet.scale
@@ -56,21 +91,32 @@ class TokenLedger:
                for e, share in reservation.shares.items()]
         out.append(Slot(GLOBAL, self._global_inflight, reservation.global_tokens,
                         self.global_limit if self.enforce else None))
+        tenant = reservation.tenant
+        limit = self.tenant_limit(tenant)
+        if limit is not None:
+            out.append(Slot(tenant_slot(tenant), self._tenants.get(tenant, 0), reservation.global_tokens,
+                            limit if self.enforce else None))
         return out
 
-    def publish(self, engines: list[Engine]) -> None:
-        """Tell the fleet this process's new totals on ``engines`` and globally (after a release)."""
+    def publish(self, engines: list[Engine], tenant: str | None = None) -> None:
+        """Tell the fleet this process's new totals on ``engines``, globally and for ``tenant`` when it
+        has a limit (after a release)."""
         if self.fleet.shared:
-            self.fleet.publish({**{e.url: e.inflight_tokens for e in engines}, GLOBAL: self._global_inflight})
+            totals = {**{e.url: e.inflight_tokens for e in engines}, GLOBAL: self._global_inflight}
+            if tenant is not None and self.tenant_limit(tenant) is not None:
+                totals[tenant_slot(tenant)] = self._tenants.get(tenant, 0)
+            self.fleet.publish(totals)
 
     def _fits(self, inflight: int, tokens: int, limit: int | None) -> bool:
         """An idle budget always fits: a request larger than the whole budget then runs alone instead
         of waiting for room that can never appear."""
         return not self.enforce or limit is None or inflight == 0 or inflight + tokens <= limit
 
-    def reserve(self, placement: Placement, tokens: int, prefill_tokens: int = 0) -> Reservation:
-        """Count ``tokens`` on the decoding engine and globally, ``prefill_tokens`` on a P/D prefill
-        engine; each engine gets one more in-flight request. No room check: the caller did it."""
+    def reserve(self, placement: Placement, tokens: int, prefill_tokens: int = 0, *,
+                tenant: str = "default") -> Reservation:
+        """Count ``tokens`` on the decoding engine, globally and for ``tenant``, ``prefill_tokens`` on a
+        P/D prefill engine; each engine gets one more in-flight request. No room check: the caller
+        did it."""
         shares: dict[Engine, int] = {placement.engine: tokens}
         if placement.prefill is not None:
             shares[placement.prefill] = shares.get(placement.prefill, 0) + prefill_tokens
@@ -78,20 +124,31 @@ class TokenLedger:
             engine.inflight_tokens += share
             engine.inflight_requests += 1
         self._global_inflight += tokens
-        return Reservation(self, shares, tokens)
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + tokens
+        return Reservation(self, shares, tokens, tenant)
 
-    def _give_back(self, tokens: int) -> None:
+    def _give_back(self, tokens: int, tenant: str) -> None:
         self._global_inflight = max(0, self._global_inflight - tokens)
+        # A tenant that held tokens keeps its (zero) entry: the fleet's lease renewal rewrites it, which
+        # repairs a release that Redis missed.
+        self._tenants[tenant] = max(0, self._tenants.get(tenant, 0) - tokens)
+
+
+def tenant_slot(tenant: str) -> str:
+    """A tenant's fleet slot, beside the engines' urls and the global ``""`` (a url never starts so)."""
+    return f"tenant:{tenant}"
 
 
 class Reservation:
     """The tokens one admitted request holds. Every release is idempotent and never goes below zero,
     so error paths may release again without corrupting the counts."""
 
-    def __init__(self, ledger: TokenLedger, shares: dict[Engine, int], global_tokens: int) -> None:
+    def __init__(self, ledger: TokenLedger, shares: dict[Engine, int], global_tokens: int,
+                 tenant: str = "default") -> None:
         self._ledger = ledger
         self._shares = shares
         self._global = global_tokens
+        self.tenant = tenant
 
     @property
     def released(self) -> bool:
@@ -128,9 +185,10 @@ class Reservation:
             return False
         engine.inflight_tokens = max(0, engine.inflight_tokens - share)
         engine.inflight_requests = max(0, engine.inflight_requests - 1)
-        if not self._shares:
-            self._release_global(publish=False)
-        self._ledger.publish([engine])
+        if not self._shares and self._release_global(publish=False):
+            self._ledger.publish([engine], self.tenant)
+        else:
+            self._ledger.publish([engine])
         return True
 
     def release(self) -> bool:
@@ -143,8 +201,8 @@ class Reservation:
     def _release_global(self, *, publish: bool = True) -> bool:
         if self._global == 0:
             return False
-        self._ledger._give_back(self._global)
+        self._ledger._give_back(self._global, self.tenant)
         self._global = 0
         if publish:
-            self._ledger.publish([])
+            self._ledger.publish([], self.tenant)
         return True

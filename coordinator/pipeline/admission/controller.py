@@ -7,13 +7,22 @@ freed engine go to the most urgent request, whichever model or engine it needs.
 
 Rules, in one place:
 
-* **Fast path.** Nobody waits ahead (no waiter with priority <= ours), the global budget has room
-  and the scheduler's ``place`` finds an engine with room: reserve and return, no await.
-* **Refuse.** Otherwise, with ``max_queue`` waiters already queued: ``QueueFull`` (429) at once.
-* **Wait.** Otherwise queue by (priority, arrival) for up to ``queue_timeout_s`` (then
-  ``QueueTimeout``, 503). ``wake()`` admits waiters in order; it stops at the first that does not
-  fit the *global* budget (shared by everyone, so priority order is kept) but only skips one whose
-  own engines are full (another model's engines may be free).
+* **Fast path.** Nobody waits ahead (no waiter of another tenant, none of ours with priority <=
+  ours), the global and tenant budgets have room and the scheduler's ``place`` finds an engine with
+  room: reserve and return, no await.
+* **Refuse.** Otherwise, with ``max_queue`` waiters already queued: ``QueueFull`` (429) at once --
+  unless the tenant waits less than its weight's share of the queue; then the newest waiter of the
+  tenant furthest over its share gets the 429 and the newcomer its place (``tenants.max_queue_share``).
+* **Wait.** Otherwise queue for up to ``queue_timeout_s`` (then ``QueueTimeout``, 503). Each tenant
+  has its own line, ordered by (priority, arrival); ``wake()`` takes from the lines by weighted fair
+  queuing on tokens: each grant advances its tenant's virtual time by ``cost / weight``, the line
+  with the lowest virtual time goes next, and a tenant that was idle starts at the current virtual
+  time (no credit saved up while idle). So busy tenants' admitted tokens grow in proportion to their
+  weights, and a light tenant's request goes ahead of a heavy tenant's backlog. With one tenant
+  (the default) this is plain (priority, arrival) order. ``wake()`` stops at the first waiter that
+  does not fit the *global* budget (shared by everyone, so the fair order is kept) but only skips
+  one whose own engines are full (another model's engines may be free) or whose tenant is at its
+  ``concurrent_tokens`` (its later waiters are skipped too, keeping its own order).
 * **Fleet.** With a shared fleet (``admission.fleet.backend: redis``) a grant, fast or woken, is
   then claimed over every coordinator process on the same engines (``fleet.py``); a claim another
   process won first gives the grant back and the request waits again in its place in the queue.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -92,7 +102,7 @@ class Grant:
 
 @dataclass(eq=False)
 class _Waiter:
-    key: tuple[int, int]                 # (priority, arrival seq): the queue order
+    key: tuple[int, int]                 # (priority, arrival seq): the order within its tenant's line
     req: SchedRequest
     place: Place
     prefill_tokens: PrefillTokens
@@ -104,14 +114,20 @@ class AdmissionController:
     """Token-based flow control in front of the scheduler. One per coordinator; event-loop bound."""
 
     def __init__(self, settings: AdmissionSettings, ledger: TokenLedger, metrics: Metrics | None = None,
-                 *, tick_s: float = 0.25) -> None:
+                 *, tick_s: float = 0.25, weight: Callable[[str], float] = lambda tenant: 1.0,
+                 queue_share: bool = True) -> None:
         self._settings = settings
         self.ledger = ledger
         if not settings.enabled:
             ledger.enforce = False
         self._metrics = metrics
         self._tick_s = tick_s
-        self._queue: list[_Waiter] = []      # sorted by key; small (<= max_queue), so a list is enough
+        self._weight = weight              # a tenant's weight, read at each grant (tenants may reload)
+        self._queue_share = queue_share
+        self._lines: dict[str, list[_Waiter]] = {}  # tenant → its waiters sorted by key (none empty)
+        self._count = 0
+        self._vtime: dict[str, float] = {}  # tenant → virtual time after its last grant
+        self._vnow = 0.0                    # the latest grant's virtual start: where idle tenants resume
         self._seq = 0
         self._waking = False
         self._wake_again = False
@@ -122,7 +138,10 @@ class AdmissionController:
 
     @property
     def queue_length(self) -> int:
-        return len(self._queue)
+        return self._count
+
+    def tenant_queue_length(self, tenant: str) -> int:
+        return len(self._lines.get(tenant, ()))
 
     # -- admission --------------------------------------------------------------------------------
     async def admit(self, req: SchedRequest, place: Place, *,
@@ -136,28 +155,72 @@ class AdmissionController:
         cancelled while waiting (the waiter is removed and nothing stays reserved).
         """
         arrived = time.monotonic()
-        waiters_ahead = bool(self._queue) and self._queue[0].key[0] <= req.priority
-        if not waiters_ahead and self.ledger.global_room(req.cost_tokens):
+        waiters_ahead = self._ahead(req.tenant, req.priority)
+        if (not waiters_ahead and self.ledger.global_room(req.cost_tokens)
+                and self.ledger.tenant_room(req.tenant, req.cost_tokens)):
             placement = self._place_now(req, place)
             if placement is not None:
                 grant = self._grant(req, placement, prefill_tokens, arrived)
                 if not self.ledger.fleet.shared or await self._claimed(grant):  # no await for one process
                     return grant
-        if not self._settings.enabled or len(self._queue) >= self._settings.max_queue:
-            self._reject("queue_full")
-            raise QueueFull(f"Too many requests are waiting for capacity ({len(self._queue)}); "
-                            f"retry later", self._settings.retry_after_s)
+        if not self._settings.enabled or not self._make_room(req.tenant):
+            self._refuse(req.tenant)
         return await self._wait(req, place, prefill_tokens, arrived, try_now=waiters_ahead)
 
-    def check_early(self, priority: int) -> None:
+    def check_early(self, priority: int, tenant: str = "default") -> None:
         """Refuse now, before the request is even rendered, when ``admit`` would certainly refuse it:
-        the queue is full and someone at least as urgent waits ahead (so the fast path is closed too).
-        At 3x overload this saves the render sidecar most of its work and cuts a 429 to ~1 ms."""
-        if (self._settings.enabled and self._queue and len(self._queue) >= self._settings.max_queue
-                and self._queue[0].key[0] <= priority):
-            self._reject("queue_full")
-            raise QueueFull(f"Too many requests are waiting for capacity ({len(self._queue)}); "
-                            f"retry later", self._settings.retry_after_s)
+        the queue is full, the tenant may not push anyone out, and someone waits ahead (so the fast
+        path is closed too). At 3x overload this saves the render sidecar most of its work and cuts a
+        429 to ~1 ms."""
+        if (self._settings.enabled and self._count >= self._settings.max_queue
+                and self._ahead(tenant, priority) and self._victim(tenant) is None):
+            self._refuse(tenant)
+
+    def _refuse(self, tenant: str) -> None:
+        self._reject("queue_full", tenant)
+        raise QueueFull(f"Too many requests are waiting for capacity ({self._count}); retry later",
+                        self._settings.retry_after_s)
+
+    def _ahead(self, tenant: str, priority: int) -> bool:
+        """Someone waits who would go first: another tenant (fair order decides, at the next wake) or
+        one of this tenant's at least as urgent."""
+        if not self._count:
+            return False
+        line = self._lines.get(tenant)
+        return len(self._lines) > (1 if line else 0) or (line is not None and line[0].key[0] <= priority)
+
+    # -- queue shares ------------------------------------------------------------------------------
+    def _victim(self, tenant: str) -> str | None:
+        """With a full queue: the tenant whose newest waiter gives its place to ``tenant`` (the one
+        furthest over its share), or None when ``tenant`` holds its own share already. Shares are
+        ``max_queue`` split by weight among the tenants waiting, ``tenant`` included."""
+        if not self._queue_share:
+            return None
+        total = sum(self._weight(n) for n in set(self._lines) | {tenant})
+
+        def over(name: str) -> float:
+            return len(self._lines.get(name, ())) - self._settings.max_queue * self._weight(name) / total
+
+        if over(tenant) + 1 > 0:
+            return None
+        victim = max((n for n in self._lines if n != tenant), key=over, default=None)
+        return victim if victim is not None and over(victim) > 0 else None
+
+    def _make_room(self, tenant: str) -> bool:
+        """A place in the queue for ``tenant``: free, or taken from a tenant over its share."""
+        if self._count < self._settings.max_queue:
+            return True
+        victim = self._victim(tenant)
+        if victim is None:
+            return False
+        waiter = self._lines[victim][-1]  # its least urgent, newest
+        self._remove(waiter)
+        if not waiter.future.done():
+            self._reject("queue_full", victim)
+            waiter.future.set_exception(QueueFull(
+                f"Too many requests are waiting for capacity ({self._count}); this tenant holds more "
+                f"than its share of the queue; retry later", self._settings.retry_after_s))
+        return True
 
     def _place_now(self, req: SchedRequest, place: Place) -> Placement | None:
         try:
@@ -200,7 +263,7 @@ class AdmissionController:
                     return future.result()        # admitted just as the timeout fired: keep it
                 raise error from None             # failed (NoHealthyEngine) just as it fired
             future.cancel()
-            self._reject("queue_timeout")
+            self._reject("queue_timeout", req.tenant)
             raise QueueTimeout(f"No capacity freed up within {self._settings.queue_timeout_s:g} s; "
                                f"retry later", self._settings.retry_after_s) from None
         except asyncio.CancelledError:
@@ -210,7 +273,7 @@ class AdmissionController:
             elif future.done() and not future.cancelled():
                 future.exception()                # mark retrieved; the cancellation wins
             future.cancel()
-            self._reject("cancelled")
+            self._reject("cancelled", req.tenant)
             raise
 
     def _queue_up(self, key: tuple[int, int], req: SchedRequest, place: Place, prefill_tokens: PrefillTokens,
@@ -223,16 +286,22 @@ class AdmissionController:
     def _grant(self, req: SchedRequest, placement: Placement, prefill_tokens: PrefillTokens,
                arrived: float) -> Grant:
         prefill = prefill_tokens(placement) if placement.prefill is not None else 0
-        reservation = self.ledger.reserve(placement, req.cost_tokens, prefill)
+        reservation = self.ledger.reserve(placement, req.cost_tokens, prefill, tenant=req.tenant)
+        # Weighted fair queuing: the grant starts at the tenant's virtual time (or now, if it was idle)
+        # and advances it by cost / weight.
+        start = max(self._vtime.get(req.tenant, 0.0), self._vnow)
+        self._vnow = start
+        self._vtime[req.tenant] = start + req.cost_tokens / self._weight(req.tenant)
         waited = time.monotonic() - arrived
         if self._metrics is not None:
             self._metrics.admitted.inc()
             self._metrics.queue_wait.observe(waited)
+            self._metrics.tenant_admitted_tokens.labels(req.tenant).inc(req.cost_tokens)
         return Grant(placement, reservation, waited, self._released)
 
     # -- waking -----------------------------------------------------------------------------------
     def wake(self) -> None:
-        """Admit the waiters that fit now, in (priority, arrival) order.
+        """Admit the waiters that fit now, in fair order (see the module's rules).
 
         Stops at the first waiter whose cost does not fit the global budget (everyone shares it, so a
         smaller, later request must not overtake); skips, leaving it waiting, one whose engines are
@@ -251,13 +320,37 @@ class AdmissionController:
         finally:
             self._waking = False
 
+    def _order(self) -> list[_Waiter]:
+        """Every waiter in the order a wake tries them: the lines merged by virtual time, as if each
+        were granted in turn (one line: its own order)."""
+        if len(self._lines) == 1:
+            return list(next(iter(self._lines.values())))
+        heap = [(max(self._vtime.get(name, 0.0), self._vnow), i, name, 0)
+                for i, name in enumerate(self._lines)]
+        heapq.heapify(heap)
+        out: list[_Waiter] = []
+        while heap:
+            vtime, i, name, j = heapq.heappop(heap)
+            line = self._lines[name]
+            out.append(line[j])
+            if j + 1 < len(line):
+                heapq.heappush(heap, (vtime + line[j].req.cost_tokens / self._weight(name), i, name, j + 1))
+        return out
+
     def _wake_pass(self) -> None:
-        for waiter in list(self._queue):
+        full: set[str] = set()  # tenants at their concurrent_tokens this pass
+        for waiter in self._order():
             if waiter.future.done():        # cancelled or timed out; its task removes it too
                 self._remove(waiter)
                 continue
+            tenant = waiter.req.tenant
+            if tenant in full:
+                continue
             if not self.ledger.global_room(waiter.req.cost_tokens):
                 break
+            if not self.ledger.tenant_room(tenant, waiter.req.cost_tokens):
+                full.add(tenant)
+                continue
             try:
                 placement = waiter.place(waiter.req)
             except Exception as exc:
@@ -276,7 +369,7 @@ class AdmissionController:
 
     def _released(self) -> None:
         """Tokens came back: wake the waiters soon, not from inside the releaser's call stack."""
-        if not self._queue or self._wake_scheduled:
+        if not self._count or self._wake_scheduled:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -292,34 +385,53 @@ class AdmissionController:
 
     async def _tick(self) -> None:
         """Breakers close and engines come back without any release: retry waiters periodically."""
-        while self._queue:
+        while self._count:
             await asyncio.sleep(self._tick_s)
             self.wake()
 
     # -- queue ------------------------------------------------------------------------------------
     def _enqueue(self, waiter: _Waiter) -> None:
-        bisect.insort(self._queue, waiter, key=lambda w: w.key)
+        line = self._lines.get(waiter.req.tenant)
+        if line is None:
+            line = self._lines[waiter.req.tenant] = []
+        bisect.insort(line, waiter, key=lambda w: w.key)
+        self._count += 1
         self._queue_changed()
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="admission-wake")
 
     def _remove(self, waiter: _Waiter) -> None:
-        i = bisect.bisect_left(self._queue, waiter.key, key=lambda w: w.key)
-        if i < len(self._queue) and self._queue[i] is waiter:
-            del self._queue[i]
-            self._queue_changed()
-        if not self._queue and self._ticker is not None:
+        line = self._lines.get(waiter.req.tenant)
+        if line is not None:
+            i = bisect.bisect_left(line, waiter.key, key=lambda w: w.key)
+            if i < len(line) and line[i] is waiter:
+                del line[i]
+                self._count -= 1
+                if not line:
+                    del self._lines[waiter.req.tenant]
+                self._queue_changed()
+        if not self._count and self._ticker is not None:
             if self._ticker is not asyncio.current_task():
                 self._ticker.cancel()
             self._ticker = None
 
     def _queue_changed(self) -> None:
         if self._metrics is not None:
-            self._metrics.queue_length.set(len(self._queue))
+            self._metrics.queue_length.set(self._count)
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, tenant: str | None = None) -> None:
         if self._metrics is not None:
             self._metrics.rejected.labels(reason).inc()
+            if tenant is not None:
+                self._metrics.tenant_rejected.labels(tenant, reason).inc()
+
+    def export_metrics(self) -> None:
+        """Per-tenant queue lengths and held tokens (called at scrape time)."""
+        if self._metrics is None:
+            return
+        for tenant in {*self.ledger.tenant_names(), *self._lines, *self._vtime}:
+            self._metrics.tenant_queue_length.labels(tenant).set(len(self._lines.get(tenant, ())))
+            self._metrics.tenant_inflight_tokens.labels(tenant).set(self.ledger.tenant_inflight(tenant))
 
     async def close(self) -> None:
         """Stop the periodic wake (shutdown); waiters still queued time out or are cancelled."""

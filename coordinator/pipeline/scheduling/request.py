@@ -15,7 +15,8 @@ class SchedRequest:
     prompt_token_ids: Sequence[int]
     max_tokens: int
     n: int = 1
-    priority: int = 0                  # lower = sooner (vLLM's convention)
+    priority: int = 0                  # lower = sooner (vLLM's convention), within its tenant
+    tenant: str = "default"            # whose share and limits it counts against
     cache_salt: str | None = None
     exclude: set[str] = field(default_factory=set)   # engine urls this request already failed on
     engine_deaths: int = 0                            # attempts whose engine died under this request

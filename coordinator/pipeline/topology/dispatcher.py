@@ -75,8 +75,8 @@ class Dispatcher:
         hashes = plan.block_hashes if obfuscator is None and ids is plan.prompt_token_ids else None
         return SchedRequest(request_id=generate["request_id"], model=ctx.model, prompt_token_ids=ids,
                             max_tokens=int(generate["sampling_params"]["max_tokens"]), n=plan.n,
-                            priority=ctx.priority, cache_salt=salt if isinstance(salt, str) else None,
-                            block_hashes=hashes)
+                            priority=ctx.priority, tenant=ctx.tenant,
+                            cache_salt=salt if isinstance(salt, str) else None, block_hashes=hashes)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
