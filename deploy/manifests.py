@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -39,7 +40,7 @@ from coordinator.config import DiscoverySettings, Settings
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("union", "pd", "cpu", "fleet")
+OVERLAYS = ("union", "pd", "cpu", "fleet", "fleet-external-redis")
 
 # The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
 # restartPolicy Always) are GA there. Validation uses this version's strict schemas (unknown fields
@@ -272,13 +273,33 @@ class Fleet:
         raise LookupError(f"--config {path} is not in a ConfigMap volume of the coordinator container")
 
 
-def env_overrides(container: Obj) -> dict[str, Any]:
-    """The container's literal ``COORD_A__B=value`` variables as the nested mapping pydantic-settings
-    reads them as (values from secrets are unknown here and left out). JSON values are decoded as the
+def resource_field(pod: Obj, container: Obj, ref: Obj) -> str | None:
+    """What the kubelet puts in a ``resourceFieldRef`` variable: the named container's CPU request or
+    limit in units of ``divisor``, rounded up (None: not a CPU field, or no such value is set; for a
+    missing limit the kubelet would give the node's allocatable CPU, which is unknown here)."""
+    name = ref.get("containerName") or container["name"]
+    containers = (pod.get("initContainers") or []) + pod["containers"]
+    target = next((c for c in containers if c["name"] == name), None)
+    kind, _, resource = str(ref.get("resource", "")).partition(".")
+    if target is None or resource != "cpu" or kind not in ("limits", "requests"):
+        return None
+    value = ((target.get("resources") or {}).get(kind) or {}).get("cpu")
+    if value is None:
+        return None
+    return str(max(1, math.ceil(cpu_cores(value) / cpu_cores(ref.get("divisor", "1")) - 1e-9)))
+
+
+def env_overrides(container: Obj, pod: Obj | None = None) -> dict[str, Any]:
+    """The container's ``COORD_A__B=value`` variables as the nested mapping pydantic-settings reads
+    them as: literal values, and the pod's own CPU figures (``resourceFieldRef``) as the kubelet fills
+    them in; values from secrets are unknown here and left out. JSON values are decoded as the
     coordinator decodes them; anything else stays a string for the model to coerce."""
     out: dict[str, Any] = {}
     for var in container.get("env") or []:
         name, value = var.get("name", ""), var.get("value")
+        ref = (var.get("valueFrom") or {}).get("resourceFieldRef")
+        if value is None and ref is not None and pod is not None:
+            value = resource_field(pod, container, ref)
         if not name.startswith("COORD_") or value is None:
             continue
         *parents, leaf = name[len("COORD_"):].lower().split("__")
@@ -307,7 +328,8 @@ def load_fleet(objects: list[Obj]) -> Fleet:
     fleet = Fleet(objects)
     try:
         cm, key = fleet.config_map()
-        fleet.settings = parse_settings(cm["data"][key], env_overrides(fleet.coordinator_container))
+        fleet.settings = parse_settings(cm["data"][key],
+                                        env_overrides(fleet.coordinator_container, fleet.coordinator_pod))
     except (LookupError, ValueError, ValidationError, yaml.YAMLError) as exc:
         fleet.config_errors.append(f"[config] {exc}")
     return fleet
@@ -622,6 +644,11 @@ def memory_bytes(quantity: str | int | float) -> float:
     return float(found.group(1)) * units.get(found.group(2) or "", 1)
 
 
+def cpu_cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (``2``, ``1500m``, ``0.5``) in cores (the same suffixes as memory)."""
+    return memory_bytes(quantity)
+
+
 def _gpu_resources(container: Obj) -> list[str]:
     resources = container.get("resources") or {}
     return sorted({key for kind in ("requests", "limits") for key in resources.get(kind) or {}
@@ -754,17 +781,46 @@ def cross_check(fleet: Fleet, docker: DockerFacts) -> list[tuple[str, list[str]]
     return results
 
 
+def _env_var(container: Obj, name: str) -> Obj | None:
+    return next((v for v in container.get("env") or [] if v.get("name") == name), None)
+
+
+def check_workers(f: Fleet, s: Settings) -> Iterator[str]:
+    """``server.workers`` sized by the downward API must be the coordinator container's own CPU limit,
+    in whole cores: a request is not what the processes may use, and without a limit the kubelet gives
+    the node's whole CPU count (dozens of workers on a small share)."""
+    container = f.coordinator_container
+    var = _env_var(container, "COORD_SERVER__WORKERS")
+    ref = ((var or {}).get("valueFrom") or {}).get("resourceFieldRef")
+    if ref is None:
+        return  # a literal count (or none): the config model checked it
+    name, resource = ref.get("containerName") or container["name"], ref.get("resource")
+    if name != COORDINATOR_CONTAINER or resource != "limits.cpu":
+        yield (f"[workers] COORD_SERVER__WORKERS comes from {name} {resource}, not from the "
+               f"{COORDINATOR_CONTAINER} container's limits.cpu")
+    elif ((container.get("resources") or {}).get("limits") or {}).get("cpu") is None:
+        yield ("[workers] COORD_SERVER__WORKERS comes from limits.cpu, but the coordinator container has no "
+               "CPU limit: the kubelet would start one worker per core of the node")
+    elif cpu_cores(ref.get("divisor", "1")) != 1:
+        yield f"[workers] COORD_SERVER__WORKERS: divisor {ref.get('divisor')!r}, not 1 (one worker per core)"
+
+
 def check_fleet(f: Fleet, s: Settings) -> Iterator[str]:
-    """A Redis fleet budget: every replica must expect as many replicas as the Deployment runs (each
-    admits alone against 1/expected_replicas while Redis is down), and a Redis named by a cluster DNS
-    name must be a Service of this fleet serving the URL's port (an external host is not checked)."""
+    """A Redis fleet budget: every process must expect as many processes as share the budget, the
+    Deployment's replicas times each pod's ``server.workers`` (each admits alone against
+    1/expected_replicas while Redis is down), and a Redis named by a cluster DNS name must be a Service
+    of this fleet serving the URL's port (an external host, or a URL from a Secret, is not checked)."""
     fleet = s.admission.fleet
     if fleet.backend != "redis":
         return
     replicas = int(f.coordinator["spec"].get("replicas", 1))
-    if fleet.expected_replicas != replicas:
+    workers = s.server.workers
+    if fleet.expected_replicas != replicas * workers:
         yield (f"[fleet] admission.fleet.expected_replicas {fleet.expected_replicas} != "
-               f"{f.coordinator['metadata']['name']} replicas {replicas}")
+               f"{f.coordinator['metadata']['name']} replicas {replicas} x server.workers {workers}")
+    url_var = _env_var(f.coordinator_container, "COORD_ADMISSION__FLEET__REDIS_URL")
+    if url_var is not None and url_var.get("value") is None:
+        return  # from a Secret: an external Redis whose address is not in the manifests
     url = urlsplit(fleet.redis_url)
     host, port = url.hostname or "", url.port or 6379
     if "." in host and not host.endswith((".svc", ".svc.cluster.local")):
@@ -782,6 +838,7 @@ CHECKS: dict[str, Check] = {
     "max-model-len": check_max_model_len, "discovery": check_discovery, "role": check_roles,
     "kv-events": check_kv_events, "kv-transfer": check_kv_transfer, "render": check_render,
     "probes": check_probes, "model-path": check_model_paths, "drain": check_drain, "fleet": check_fleet,
+    "workers": check_workers,
 }
 
 

@@ -101,7 +101,8 @@ def test_overlay_renders_validates_and_passes_every_cross_check(
 def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered: dict[str, list[Obj]]) -> None:
     roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
              for name, objs in rendered.items()}
-    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"], "fleet": ["union"]}
+    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"], "fleet": ["union"],
+                     "fleet-external-redis": ["union"]}
 
 
 def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
@@ -209,11 +210,38 @@ def test_fleet_overlay_shares_the_budget_through_its_own_redis(rendered: dict[st
     """The environment overrides on the coordinator container are read as the process reads them."""
     settings = m.load_fleet(rendered["fleet"]).settings
     assert settings is not None and settings.admission.fleet.backend == "redis"
-    assert settings.admission.fleet.expected_replicas == obj(rendered["fleet"], "Deployment",
-                                                             "llm-coordinator")["spec"]["replicas"] == 2
+    replicas = obj(rendered["fleet"], "Deployment", "llm-coordinator")["spec"]["replicas"]
+    assert (replicas, settings.server.workers, settings.admission.fleet.expected_replicas) == (2, 2, 4)
     assert settings.scheduling.prefix.block_size == 16  # the rest is union's coordinator.yaml
     assert obj(rendered["fleet"], "Service", "llm-coordinator-redis")["spec"]["ports"][0]["port"] == 6379
     assert m.load_fleet(rendered["union"]).settings.admission.fleet.backend == "local"  # type: ignore[union-attr]
+
+
+def test_workers_follow_the_coordinator_cpu_limit(rendered: dict[str, list[Obj]]) -> None:
+    """COORD_SERVER__WORKERS is read as the kubelet fills it in: the CPU limit in whole cores, rounded up."""
+    objs = copy.deepcopy(rendered["union"])
+    assert m.load_fleet(objs).settings.server.workers == 2  # type: ignore[union-attr]
+    coordinator(objs)["resources"]["limits"]["cpu"] = "3500m"
+    assert m.load_fleet(objs).settings.server.workers == 4  # type: ignore[union-attr]
+
+
+def test_fleet_on_an_external_redis_reads_its_url_from_a_secret(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["fleet-external-redis"]
+    assert not any(o["metadata"]["name"] == "llm-coordinator-redis" for o in objs)  # no Redis of its own
+    url = next(v for v in coordinator(objs)["env"] if v["name"] == "COORD_ADMISSION__FLEET__REDIS_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "llm-coordinator-redis-url", "key": "url"}
+    settings = m.load_fleet(objs).settings
+    assert settings is not None and settings.admission.fleet.backend == "redis"
+    assert settings.admission.fleet.expected_replicas == 4
+
+
+def _workers_ref(objs: list[Obj], **ref: str) -> None:
+    var = next(v for v in coordinator(objs)["env"] if v["name"] == "COORD_SERVER__WORKERS")
+    var["valueFrom"]["resourceFieldRef"].update(ref)
+
+
+def _no_cpu_limit(objs: list[Obj]) -> None:
+    del coordinator(objs)["resources"]["limits"]["cpu"]
 
 
 BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
@@ -406,7 +434,16 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "[drain] coordinator terminationGracePeriodSeconds 80 <= preStop 10 +"),
     ("fleet expects fewer replicas than run", "fleet",
      lambda o: obj(o, "Deployment", "llm-coordinator")["spec"].update(replicas=3),
-     "[fleet] admission.fleet.expected_replicas 2 != llm-coordinator replicas 3"),
+     "[fleet] admission.fleet.expected_replicas 4 != llm-coordinator replicas 3 x server.workers 2"),
+    ("fleet expects replicas, not their workers", "fleet-external-redis",
+     lambda o: _fleet_env(o, "COORD_ADMISSION__FLEET__EXPECTED_REPLICAS", "2"),
+     "[fleet] admission.fleet.expected_replicas 2 != llm-coordinator replicas 2 x server.workers 2"),
+    ("workers from the CPU request", "union", lambda o: _workers_ref(o, resource="requests.cpu"),
+     "[workers] COORD_SERVER__WORKERS comes from coordinator requests.cpu"),
+    ("workers without a CPU limit", "fleet", _no_cpu_limit,
+     "[workers] COORD_SERVER__WORKERS comes from limits.cpu, but the coordinator container has no CPU limit"),
+    ("workers per two cores", "union", lambda o: _workers_ref(o, divisor="2"),
+     "[workers] COORD_SERVER__WORKERS: divisor '2', not 1"),
     ("fleet redis service misnamed", "fleet",
      lambda o: _fleet_env(o, "COORD_ADMISSION__FLEET__REDIS_URL", "redis://llm-redis.llm.svc.cluster.local:6379/0"),
      "[fleet] admission.fleet.redis_url redis://llm-redis.llm.svc.cluster.local:6379/0: no Service 'llm-redis'"),
