@@ -146,7 +146,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     tenants = TenantDirectory(settings.tenants, settings.server.api_keys)
     ledger = TokenLedger(adm.global_tokens if adm.enabled else None,
                          fleet=build_fleet(adm.fleet, metrics, settings.server.workers),
-                         tenant_limit=lambda name: tenants.get(name).concurrent_tokens)
+                         tenant_limit=lambda name: tenants.get(name).concurrent_tokens,
+                         kv_usage_limit=adm.engine_kv_usage_limit)
     admission = AdmissionController(adm, ledger, metrics, weight=lambda name: tenants.get(name).weight,
                                     queue_share=settings.tenants.max_queue_share)
     limiter = build_limiter(settings, metrics)

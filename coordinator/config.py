@@ -348,6 +348,11 @@ class AdmissionSettings(_Section):
     max_waiting_per_engine: int | None = Field(
         default=None, ge=0, description="skip engines whose /metrics report more waiting requests",
     )
+    engine_kv_usage_limit: float | None = Field(
+        default=None, gt=0, le=1, description="an engine whose /metrics report this KV-cache usage (0-1) or "
+        "more takes no new request until it reports less: the engines' own load bounds what the token "
+        "counts miss (clients that bypass the coordinator, replicas the fleet does not know of); null = off",
+    )
     fleet: FleetSettings = Field(default_factory=FleetSettings)
 
 

@@ -502,3 +502,23 @@ async def test_a_claim_another_process_won_waits_and_holds_nothing_meanwhile() -
     assert fleet.published[-1] == {"http://a": 0, "": 0}
     assert_idle(ctl, ledger, a)
     await ctl.close()
+
+
+async def test_an_engine_reporting_a_full_kv_cache_takes_nothing_more_until_it_reports_less() -> None:
+    """The counts say there is room, the engine's own /metrics say its KV cache is full (someone the
+    coordinator does not know of uses it): the request waits, and goes when the engine reports less."""
+    ledger = TokenLedger(None, kv_usage_limit=0.95)
+    ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02)
+    e = engine("http://e", budget=1000)
+    place = placer(ledger, [e])
+    first = await ctl.admit(req(10), place)  # an idle engine takes one whatever it reports
+    e.telemetry.kv_usage = 0.97
+    second = asyncio.create_task(ctl.admit(req(10), place))
+    await asyncio.sleep(0.1)
+    assert not second.done() and e.inflight_tokens == 10
+    e.telemetry.kv_usage = 0.5  # the next scrape: the tick admits it without any release
+    grant = await asyncio.wait_for(second, 5)
+    assert e.inflight_tokens == 20
+    first.release()
+    grant.release()
+    assert_idle(ctl, ledger, e)

@@ -30,8 +30,10 @@ class TokenLedger:
     """
 
     def __init__(self, global_limit: int | None, *, enforce: bool = True, fleet: Fleet | None = None,
-                 tenant_limit: Callable[[str], int | None] = lambda tenant: None) -> None:
+                 tenant_limit: Callable[[str], int | None] = lambda tenant: None,
+                 kv_usage_limit: float | None = None) -> None:
         self.global_limit = global_limit
+        self.kv_usage_limit = kv_usage_limit
         self.enforce = enforce
         self.fleet: Fleet = fleet or LocalFleet()
         self.tenant_limit = tenant_limit  # a tenant's concurrent_tokens (None = unlimited), read each time
@@ -44,9 +46,18 @@ class TokenLedger:
         return self._global_inflight
 
     def engine_room(self, engine: Engine, tokens: int) -> bool:
-        """Can ``engine`` take ``tokens`` more (what other processes hold there counted too)?"""
-        return self._fits(engine.inflight_tokens + self.fleet.others(engine.url), tokens,
-                          self._scaled(engine.token_budget))
+        """Can ``engine`` take ``tokens`` more (what other processes hold there counted too)?
+
+        The engine's own report bounds what the counts may get wrong (processes the fleet does not
+        know of, clients that bypass the coordinator, a degraded fleet with more replicas than
+        expected): an engine whose scraped KV-cache usage is at ``kv_usage_limit`` takes nothing more
+        until it reports less (unless nothing of ours is on it, so the fleet never stalls on it)."""
+        held = engine.inflight_tokens + self.fleet.others(engine.url)
+        kv = engine.telemetry.kv_usage
+        if self.enforce and self.kv_usage_limit is not None and held and kv is not None \
+                and kv >= self.kv_usage_limit:
+            return False
+        return self._fits(held, tokens, self._scaled(engine.token_budget))
 
     def global_room(self, tokens: int) -> bool:
         """The same rule against the global limit (None = unlimited)."""
