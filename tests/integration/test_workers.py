@@ -134,7 +134,7 @@ def test_sigterm_drains_every_worker_then_the_pod_exits_0(
     """SIGTERM to the supervisor while a stream is open: /ready turns 503, the port stops accepting
     after the delay, the stream ends whole, every worker exits and so does the pod, with status 0."""
     with pod(tmp_path, str(render_sidecar.url), slow_engine.url,
-             server={"drain_delay_s": 1.0, "drain_timeout_s": 60}) as p, \
+             server={"drain_delay_s": 2.0, "drain_timeout_s": 60}) as p, \
             httpx.Client(base_url=p.url, timeout=10) as probe:
         assert probe.get("/ready").status_code == 200
         workers = p.workers()
@@ -143,6 +143,9 @@ def test_sigterm_drains_every_worker_then_the_pod_exits_0(
         reader = StreamReader(p.url, stream, path="/v1/completions")
         reader.start()
         assert reader.first.wait(30) and reader.error is None
+        # The probe's connection is used once more right before the signal: an idle keep-alive
+        # connection the server times out meanwhile would fail the probe for a reason of its own.
+        assert probe.get("/health").status_code == 200
         os.kill(p.process.pid, signal.SIGTERM)
         r = probe.get("/ready")
         assert r.status_code == 503 and r.json()["draining"] is True
