@@ -106,7 +106,7 @@ class Components:
         if self.settings.tenants.file is not None:
             self._watch = asyncio.create_task(self.tenants.watch(), name="tenants-file")
         registry, ledger = self.registry, self.ledger
-        await ledger.fleet.start(lambda: ledger.totals(registry.engines), self.admission.wake)
+        await ledger.fleet.start(lambda: self.admission.fleet_totals(registry.engines), self.admission.wake)
 
     async def aclose(self) -> None:
         """Stop background work and close every client (waiting for pending engine aborts)."""
@@ -148,8 +148,11 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                          fleet=build_fleet(adm.fleet, metrics, settings.server.workers),
                          tenant_limit=lambda name: tenants.get(name).concurrent_tokens,
                          kv_usage_limit=adm.engine_kv_usage_limit)
-    admission = AdmissionController(adm, ledger, metrics, weight=lambda name: tenants.get(name).weight,
-                                    queue_share=settings.tenants.max_queue_share)
+    admission = AdmissionController(
+        adm, ledger, metrics, weight=lambda name: tenants.get(name).weight,
+        queue_share=settings.tenants.max_queue_share, fleet_shares=settings.tenants.fleet_shares,
+        capacity=lambda: adm.global_tokens or sum(e.token_budget for e in registry.engines if e.healthy),
+        tenant_names=lambda: tenants.tenants)
     limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)

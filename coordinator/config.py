@@ -302,6 +302,11 @@ class TenantsSettings(_Section):
         "changes; a file that does not parse keeps the tenants in force and logs why"
     )
     reload_interval_s: float = Field(default=2.0, gt=0, description="how often `file` is checked for changes")
+    fleet_shares: bool = Field(
+        default=True, description="with the redis fleet: while another tenant waits anywhere in the fleet, "
+        "a tenant holding more than its weighted max-min share of the budget (the global one, else the "
+        "engines' total) is admitted no further, so shares hold however replicas see the tenants"
+    )
     max_queue_share: bool = Field(
         default=True, description="true: when the admission queue is full, a tenant waiting less than its "
         "weight's share of it takes the place of the newest waiter of the tenant furthest over its share "

@@ -188,3 +188,46 @@ def test_limits_hold_over_two_coordinators_with_the_redis_fleet(
         assert free == [200, 200]
         for c in coords:
             assert c.components.ledger.tenant_inflight("one") == 0
+
+
+@pytest.mark.parametrize("fleet_shares", [True, False])
+def test_shares_hold_over_the_fleet_when_each_replica_sees_one_tenant(
+        fleet_shares: bool, redis_server: RedisServer, render_sidecar: Any,
+        coordinator_factory: CoordinatorFactory) -> None:
+    """Tenant A only reaches replica 1, tenant B only replica 2, both with more requests waiting than
+    the engine's budget (4 requests) holds. Replica 1 learns of A's freed room first; without fleet
+    shares it takes nearly all of it. With them both tenants complete about as many requests."""
+    fleet = {"backend": "redis", "redis_url": redis_server.url, "namespace": uuid.uuid4().hex}
+    body = {"model": SERVED, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 20, "ignore_eos": True,
+            "temperature": 0}
+    cost = 8 + 20
+    tenants = {"members": [{"name": "A", "api_keys": ["k-a"]}, {"name": "B", "api_keys": ["k-b"]}],
+               "fleet_shares": fleet_shares}
+    with SimulatedEngine(SimConfig(model=SERVED, seed=5, decode_s_per_token=0.01)) as sim:
+        coords = [coordinator_factory(render_sidecar.url, [sim.url], tenants=tenants,
+                                      admission={"fleet": fleet, "engine_tokens": 4 * cost})
+                  for _ in range(2)]
+        done = {"A": 0, "B": 0}
+        lock = threading.Lock()
+        stop = time.monotonic() + 6.0
+
+        def client(url: str, key: str, name: str) -> None:
+            with httpx.Client(timeout=60) as c:
+                while time.monotonic() < stop:
+                    r = c.post(f"{url}/v1/completions", json=body, headers=auth(key))
+                    assert r.status_code == 200, r.text
+                    with lock:
+                        done[name] += 1
+
+        threads = [threading.Thread(target=client, args=(coords[0].url, "k-a", "A")) for _ in range(8)]
+        threads += [threading.Thread(target=client, args=(coords[1].url, "k-b", "B")) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        share = done["B"] / (done["A"] + done["B"])
+        print(f"fleet_shares={fleet_shares}: A {done['A']}, B {done['B']} requests (B's share {share:.2f})")
+        if fleet_shares:
+            assert 0.35 <= share <= 0.65, done
+        else:
+            assert share < 0.35, f"B got {share:.2f} without fleet shares: the test shows nothing"

@@ -235,9 +235,10 @@ def test_type_names_for_any_pydantic_field() -> None:
 
 def test_operations_doc_lists_every_metric() -> None:
     """docs/operations.md's metric table is hand-kept: a collector added without a row fails here."""
-    source = (ROOT / "coordinator" / "observability" / "metrics.py").read_text(encoding="utf-8")
+    source = "".join((ROOT / "coordinator" / path).read_text(encoding="utf-8")
+                     for path in ("observability/metrics.py", "api/workers.py"))  # the pod's own series too
     exposed = {name + ("_total" if kind == "Counter" else "")
-               for kind, name in re.findall(r'(Counter|Gauge|Histogram)\(\s*"(coordinator_\w+)"', source)}
+               for kind, name in re.findall(r'(Counter|Gauge|Histogram|Metric)\(\s*"(coordinator_\w+)"', source)}
     assert len(exposed) > 20
     documented = set(re.findall(r"coordinator_\w+", (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")))
     assert not exposed - documented, f"add to docs/operations.md, 'All metrics': {sorted(exposed - documented)}"

@@ -256,3 +256,13 @@ async def test_a_full_queue_gives_a_tenant_under_its_share_the_newest_place_of_t
     await asyncio.gather(*a, *b, return_exceptions=True)
     held.release()
     assert ctl.queue_length == 0 and ledger.global_inflight == 0
+
+
+def test_fair_allocation_gives_small_demands_in_full_and_splits_the_rest_by_weight() -> None:
+    from coordinator.pipeline.admission.shares import fair_allocation
+
+    equal = fair_allocation({"A": 1000, "B": 100, "idle": 0}, lambda t: 1.0, 600)
+    assert equal == {"A": 500.0, "B": 100.0}
+    weighted = fair_allocation({"A": 1000, "B": 1000}, {"A": 3.0, "B": 1.0}.__getitem__, 400)
+    assert weighted == {"A": 300.0, "B": 100.0}
+    assert fair_allocation({"A": 50, "B": 60}, lambda t: 1.0, 400) == {"A": 50.0, "B": 60.0}

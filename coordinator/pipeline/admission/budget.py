@@ -150,6 +150,11 @@ def tenant_slot(tenant: str) -> str:
     return f"tenant:{tenant}"
 
 
+def waiting_slot(tenant: str) -> str:
+    """Where a process publishes the tokens its waiters of ``tenant`` ask for (fleet shares)."""
+    return f"waiting:{tenant}"
+
+
 class Reservation:
     """The tokens one admitted request holds. Every release is idempotent and never goes below zero,
     so error paths may release again without corrupting the counts."""

@@ -23,6 +23,10 @@ Rules, in one place:
   does not fit the *global* budget (shared by everyone, so the fair order is kept) but only skips
   one whose own engines are full (another model's engines may be free) or whose tenant is at its
   ``concurrent_tokens`` (its later waiters are skipped too, keeping its own order).
+* **Fleet shares.** With a shared fleet each process also publishes its tenants' waiting tokens;
+  while another tenant waits anywhere in the fleet, a tenant holding more than its weighted max-min
+  share of the fleet's budget (``shares.py``) is held back like one at its ``concurrent_tokens``, so
+  shares hold however the load balancer spread the tenants over the replicas.
 * **Fleet.** With a shared fleet (``admission.fleet.backend: redis``) a grant, fast or woken, is
   then claimed over every coordinator process on the same engines (``fleet.py``); a claim another
   process won first gives the grant back and the request waits again in its place in the queue.
@@ -40,13 +44,14 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from coordinator.config import AdmissionSettings
 from coordinator.observability.metrics import Metrics
-from coordinator.pipeline.admission.budget import Reservation, TokenLedger
+from coordinator.pipeline.admission.budget import Reservation, TokenLedger, tenant_slot, waiting_slot
+from coordinator.pipeline.admission.shares import fair_allocation
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import NoHealthyEngine, QueueFull, QueueTimeout
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
@@ -115,7 +120,9 @@ class AdmissionController:
 
     def __init__(self, settings: AdmissionSettings, ledger: TokenLedger, metrics: Metrics | None = None,
                  *, tick_s: float = 0.25, weight: Callable[[str], float] = lambda tenant: 1.0,
-                 queue_share: bool = True) -> None:
+                 queue_share: bool = True, fleet_shares: bool = False,
+                 capacity: Callable[[], int] = lambda: 0,
+                 tenant_names: Callable[[], Iterable[str]] = tuple) -> None:
         self._settings = settings
         self.ledger = ledger
         if not settings.enabled:
@@ -124,6 +131,10 @@ class AdmissionController:
         self._tick_s = tick_s
         self._weight = weight              # a tenant's weight, read at each grant (tenants may reload)
         self._queue_share = queue_share
+        self._fleet_shares = fleet_shares
+        self._capacity = capacity          # the budget shares split: global limit, else the engines'
+        self._tenant_names = tenant_names  # the configured tenants (each process publishes them all)
+        self._waiting: dict[str, int] = {}  # tenant → tokens of its waiters
         self._lines: dict[str, list[_Waiter]] = {}  # tenant → its waiters sorted by key (none empty)
         self._count = 0
         self._vtime: dict[str, float] = {}  # tenant → virtual time after its last grant
@@ -157,7 +168,8 @@ class AdmissionController:
         arrived = time.monotonic()
         waiters_ahead = self._ahead(req.tenant, req.priority)
         if (not waiters_ahead and self.ledger.global_room(req.cost_tokens)
-                and self.ledger.tenant_room(req.tenant, req.cost_tokens)):
+                and self.ledger.tenant_room(req.tenant, req.cost_tokens)
+                and self._within_share(req.tenant, req.cost_tokens)):
             placement = self._place_now(req, place)
             if placement is not None:
                 grant = self._grant(req, placement, prefill_tokens, arrived)
@@ -188,6 +200,38 @@ class AdmissionController:
             return False
         line = self._lines.get(tenant)
         return len(self._lines) > (1 if line else 0) or (line is not None and line[0].key[0] <= priority)
+
+    # -- fleet shares ------------------------------------------------------------------------------
+    def _within_share(self, tenant: str, tokens: int) -> bool:
+        """With a shared fleet: may ``tenant`` take ``tokens`` more while others wait (see the
+        module's rules)? Always yes for one process (the fair order does it there), while degraded,
+        with nobody else waiting, and for a tenant holding nothing in the fleet."""
+        fleet = self.ledger.fleet
+        if not self._fleet_shares or not fleet.shared or fleet.degraded:
+            return True
+        held = self.ledger.tenant_inflight(tenant) + fleet.others(tenant_slot(tenant))
+        if held == 0:
+            return True
+        names = {*self._tenant_names(), *self._lines, tenant}
+        waiting = {n: self._waiting.get(n, 0) + fleet.others(waiting_slot(n)) for n in names}
+        if not any(w > 0 for n, w in waiting.items() if n != tenant):
+            return True
+        demand = {n: self.ledger.tenant_inflight(n) + fleet.others(tenant_slot(n)) + waiting[n]
+                  for n in names}
+        demand[tenant] = max(demand[tenant], held + tokens)
+        alloc = fair_allocation(demand, self._weight, self._capacity())
+        return held + tokens <= alloc.get(tenant, 0.0)
+
+    def fleet_totals(self, engines: list[Engine]) -> dict[str, int]:
+        """What this process writes to the fleet at each lease renewal: the ledger's totals, and for
+        fleet shares every tenant's held and waiting tokens (zeros included, so others' mirrors see
+        them drop)."""
+        out = self.ledger.totals(engines)
+        if self._fleet_shares:
+            for name in {*self._tenant_names(), *self._waiting, *self.ledger.tenant_names()}:
+                out.setdefault(tenant_slot(name), self.ledger.tenant_inflight(name))
+                out[waiting_slot(name)] = self._waiting.get(name, 0)
+        return out
 
     # -- queue shares ------------------------------------------------------------------------------
     def _victim(self, tenant: str) -> str | None:
@@ -348,7 +392,8 @@ class AdmissionController:
                 continue
             if not self.ledger.global_room(waiter.req.cost_tokens):
                 break
-            if not self.ledger.tenant_room(tenant, waiter.req.cost_tokens):
+            if not (self.ledger.tenant_room(tenant, waiter.req.cost_tokens)
+                    and self._within_share(tenant, waiter.req.cost_tokens)):
                 full.add(tenant)
                 continue
             try:
@@ -396,6 +441,7 @@ class AdmissionController:
             line = self._lines[waiter.req.tenant] = []
         bisect.insort(line, waiter, key=lambda w: w.key)
         self._count += 1
+        self._waiting[waiter.req.tenant] = self._waiting.get(waiter.req.tenant, 0) + waiter.req.cost_tokens
         self._queue_changed()
         if self._ticker is None or self._ticker.done():
             self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="admission-wake")
@@ -407,6 +453,8 @@ class AdmissionController:
             if i < len(line) and line[i] is waiter:
                 del line[i]
                 self._count -= 1
+                self._waiting[waiter.req.tenant] = max(0, self._waiting.get(waiter.req.tenant, 0)
+                                                       - waiter.req.cost_tokens)
                 if not line:
                     del self._lines[waiter.req.tenant]
                 self._queue_changed()
