@@ -18,6 +18,7 @@ from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import error_response
 from coordinator.config import EngineSettings
 from coordinator.pipeline.admission.controller import AdmissionController
+from coordinator.pipeline.admission.tenants import DEFAULT
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import BadRequest, ModelNotFound, PipelineError
 
@@ -37,7 +38,12 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
     router = APIRouter(prefix="/admin")
 
     def guarded(request: Request) -> None:
-        auth(request.headers.get("authorization"))
+        """Operators only: with keys configured, a key of the ``default`` tenant (``server.api_keys``);
+        a tenant's key may call the model APIs but never drain engines or read the fleet's state."""
+        tenant = auth(request.headers.get("authorization"))
+        if auth.enabled and tenant.name != DEFAULT:
+            raise PipelineError("The admin endpoints take an operator key (server.api_keys), not a "
+                                "tenant's key", status=403, type="PermissionDeniedError")
 
     def find(url: str) -> Engine:
         engine = registry.get(url.rstrip("/"))

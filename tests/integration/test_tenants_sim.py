@@ -231,3 +231,16 @@ def test_shares_hold_over_the_fleet_when_each_replica_sees_one_tenant(
             assert 0.35 <= share <= 0.65, done
         else:
             assert share < 0.35, f"B got {share:.2f} without fleet shares: the test shows nothing"
+
+
+def test_a_tenants_key_cannot_reach_the_operator_endpoints(
+        render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url], tenants=TENANTS, server={"api_keys": ["k-ops"]})
+    drain = f"{coord.url}/admin/engines/drain?url={sim.url}"
+    refused = httpx.post(drain, headers=auth("k-big"), timeout=10)
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "PermissionDeniedError"
+    assert httpx.get(f"{coord.url}/admin/engines", headers=auth("k-big"), timeout=10).status_code == 403
+    assert coord.components.registry.engines[0].state == "healthy"  # nothing was drained
+    assert httpx.get(f"{coord.url}/admin/engines", headers=auth("k-ops"), timeout=10).status_code == 200
+    assert httpx.post(f"{coord.url}/v1/chat/completions", json=CHAT, headers=auth("k-big"),
+                      timeout=30).status_code == 200  # the tenant's model API works
