@@ -63,6 +63,7 @@ class Record:
     transport: str | None = None       # http/json, http/sse, websocket/json, websocket/msgpack
     # -- request (pipeline) ------------------------------------------------------------------------
     model: str | None = None           # served model name (never the client's string: label safety)
+    tenant: str | None = None          # the API key's tenant (docs/tenants.md)
     operation: str | None = None       # chat.completions.create, completions.create
     stream: bool | None = None
     route: str | None = None           # tokens, native
@@ -229,7 +230,8 @@ class Record:
         return {
             "door": self.door, "request_id": self.request_id, "connection_id": self.connection_id,
             "session_id": self.session_id, "operation_id": self.operation_id, "frame_id": self.frame_id,
-            "transport": self.transport, "model": self.model, "operation": self.operation,
+            "transport": self.transport, "model": self.model, "tenant": self.tenant,
+            "operation": self.operation,
             "stream": self.stream, "route": self.route, "status": self.status, "outcome": self.outcome,
             "error_family": self.error_family, "cancel_source": self.cancel_source,
             "cancel_reason": self.cancel_reason, "client_gone": self.client_gone,

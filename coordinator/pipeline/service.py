@@ -186,7 +186,7 @@ class Pipeline:
                              priority=_priority(body, priority), tenant=tenant.name)
         if record is not None:
             ctx.record = record
-            record.model, record.stream = ctx.model, stream
+            record.model, record.stream, record.tenant = ctx.model, stream, tenant.name
         limiter = self._limiter if admit else None
         if limiter is not None:
             ctx.rate_headers = await limiter.requests(tenant)

@@ -21,7 +21,7 @@ from token_engine.simulator import SimConfig, SimulatedEngine
 
 SERVED = "smollm2-135m-instruct"
 # Filled for every streamed request whichever door it came through.
-COMMON = ("request_id", "connection_id", "transport", "model", "operation", "stream", "route", "status",
+COMMON = ("request_id", "connection_id", "transport", "model", "tenant", "operation", "stream", "route", "status",
           "outcome", "render_ms", "queue_delay_ms", "first_engine_chunk_ms", "first_event_ms",
           "prompt_tokens", "completion_tokens", "e2e_ms")
 
