@@ -307,6 +307,11 @@ class TenantsSettings(_Section):
         "a tenant holding more than its weighted max-min share of the budget (the global one, else the "
         "engines' total) is admitted no further, so shares hold however replicas see the tenants"
     )
+    headroom_window_s: float | None = Field(
+        default=10.0, gt=0, description="while two or more tenants sent requests this recently, a tenant "
+        "over its weighted share leaves each engine room for one request of a tenant under its share, so "
+        "that tenant's next request starts at once instead of waiting for a release; null = off"
+    )
     max_queue_share: bool = Field(
         default=True, description="true: when the admission queue is full, a tenant waiting less than its "
         "weight's share of it takes the place of the newest waiter of the tenant furthest over its share "

@@ -266,3 +266,37 @@ def test_fair_allocation_gives_small_demands_in_full_and_splits_the_rest_by_weig
     weighted = fair_allocation({"A": 1000, "B": 1000}, {"A": 3.0, "B": 1.0}.__getitem__, 400)
     assert weighted == {"A": 300.0, "B": 100.0}
     assert fair_allocation({"A": 50, "B": 60}, lambda t: 1.0, 400) == {"A": 50.0, "B": 60.0}
+
+
+async def test_headroom_lets_a_light_tenant_start_at_once_next_to_a_heavy_backlog() -> None:
+    """A keeps the engine full and a backlog waiting. Without headroom B's request waits for A's
+    next release; with it, A (over its share) leaves one B-sized request of room and B starts at
+    once, while A still gets every other token."""
+    for window, b_waits in ((None, True), (10.0, False)):
+        ledger = TokenLedger(None)
+        ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02, headroom_window_s=window,
+                                  capacity=lambda: 100)
+        e = engine("http://e", budget=100)
+        place = placer(ledger, [e])
+        first_b = await ctl.admit(req("B"), place)  # B has been seen: two tenants are active
+        first_b.release()
+        held = [await ctl.admit(req("A"), place) for _ in range(9)]
+        backlog = [asyncio.create_task(ctl.admit(req("A"), place)) for _ in range(5)]
+        await settle()
+        # With headroom, A (90 of a 50-token share) stops at 90: one B request of room stays free.
+        assert e.inflight_tokens == (100 if window is None else 90)
+        b = asyncio.create_task(ctl.admit(req("B"), place))
+        await settle()
+        assert b.done() is not b_waits
+        held[0].release()
+        await settle()
+        assert b.done()
+        for g in held[1:]:
+            g.release()
+        b.result().release()
+        for _ in range(3):
+            await settle()
+            for t in backlog:
+                if t.done() and not t.result().released:
+                    t.result().release()
+        assert all(t.done() for t in backlog) and ledger.global_inflight == 0

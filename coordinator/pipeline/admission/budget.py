@@ -14,7 +14,8 @@ limit holds over the fleet too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, Slot
 from coordinator.pipeline.engines.registry import Engine
@@ -39,6 +40,7 @@ class TokenLedger:
         self.tenant_limit = tenant_limit  # a tenant's concurrent_tokens (None = unlimited), read each time
         self._global_inflight = 0
         self._tenants: dict[str, int] = {}
+        self._holdback = 0  # tokens the request being placed must leave free (a tenant over its share)
 
     @property
     def global_inflight(self) -> int:
@@ -57,7 +59,17 @@ class TokenLedger:
         if self.enforce and self.kv_usage_limit is not None and held and kv is not None \
                 and kv >= self.kv_usage_limit:
             return False
-        return self._fits(held, tokens, self._scaled(engine.token_budget))
+        return self._fits(held, tokens + self._holdback, self._scaled(engine.token_budget))
+
+    @contextlib.contextmanager
+    def holding_back(self, tokens: int) -> Iterator[None]:
+        """Room checks inside leave ``tokens`` of every engine's budget free (the controller's
+        headroom for tenants under their share, applied while it places one request)."""
+        self._holdback = tokens
+        try:
+            yield
+        finally:
+            self._holdback = 0
 
     def global_room(self, tokens: int) -> bool:
         """The same rule against the global limit (None = unlimited)."""

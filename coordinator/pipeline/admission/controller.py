@@ -23,6 +23,12 @@ Rules, in one place:
   does not fit the *global* budget (shared by everyone, so the fair order is kept) but only skips
   one whose own engines are full (another model's engines may be free) or whose tenant is at its
   ``concurrent_tokens`` (its later waiters are skipped too, keeping its own order).
+* **Headroom.** Fair order alone still makes a light tenant wait for the next release, which with
+  few, long requests in flight is a long wait. So while two or more tenants have sent requests in
+  the last ``headroom_window_s``, a tenant holding more than its weighted share of the budget may
+  not take the last tokens of an engine that one request of a tenant under its share needs (that
+  tenant's latest request size): the light tenant's next request starts at once, and the heavy
+  tenant's releases refill the room. It costs the heavy tenant at most one light request per engine.
 * **Fleet shares.** With a shared fleet each process also publishes its tenants' waiting tokens;
   while another tenant waits anywhere in the fleet, a tenant holding more than its weighted max-min
   share of the fleet's budget (``shares.py``) is held back like one at its ``concurrent_tokens``, so
@@ -122,7 +128,8 @@ class AdmissionController:
                  *, tick_s: float = 0.25, weight: Callable[[str], float] = lambda tenant: 1.0,
                  queue_share: bool = True, fleet_shares: bool = False,
                  capacity: Callable[[], int] = lambda: 0,
-                 tenant_names: Callable[[], Iterable[str]] = tuple) -> None:
+                 tenant_names: Callable[[], Iterable[str]] = tuple,
+                 headroom_window_s: float | None = None) -> None:
         self._settings = settings
         self.ledger = ledger
         if not settings.enabled:
@@ -135,6 +142,8 @@ class AdmissionController:
         self._capacity = capacity          # the budget shares split: global limit, else the engines'
         self._tenant_names = tenant_names  # the configured tenants (each process publishes them all)
         self._waiting: dict[str, int] = {}  # tenant → tokens of its waiters
+        self._headroom_window = headroom_window_s  # None: no headroom for light tenants
+        self._recent: dict[str, tuple[float, int]] = {}  # tenant → (its latest arrival, that request's cost)
         self._lines: dict[str, list[_Waiter]] = {}  # tenant → its waiters sorted by key (none empty)
         self._count = 0
         self._vtime: dict[str, float] = {}  # tenant → virtual time after its last grant
@@ -166,6 +175,8 @@ class AdmissionController:
         cancelled while waiting (the waiter is removed and nothing stays reserved).
         """
         arrived = time.monotonic()
+        if self._headroom_window is not None:
+            self._recent[req.tenant] = (arrived, req.cost_tokens)
         waiters_ahead = self._ahead(req.tenant, req.priority)
         if (not waiters_ahead and self.ledger.global_room(req.cost_tokens)
                 and self.ledger.tenant_room(req.tenant, req.cost_tokens)
@@ -268,10 +279,39 @@ class AdmissionController:
 
     def _place_now(self, req: SchedRequest, place: Place) -> Placement | None:
         try:
-            return place(req)
+            return self._place(req, place)
         except NoHealthyEngine:
             self._reject("no_engine")
             raise
+
+    def _place(self, req: SchedRequest, place: Place) -> Placement | None:
+        """``place(req)`` with the room a tenant over its share must leave for lighter ones."""
+        headroom = self._headroom(req.tenant)
+        if not headroom:
+            return place(req)
+        with self.ledger.holding_back(headroom):
+            return place(req)
+
+    def _headroom(self, tenant: str) -> int:
+        """Tokens ``tenant`` must leave free on each engine (see the module's rules): the latest
+        request size of the largest-asking tenant under its share, when ``tenant`` is over its own."""
+        if self._headroom_window is None or len(self._recent) < 2:
+            return 0
+        now = time.monotonic()
+        active = {n: cost for n, (seen, cost) in self._recent.items() if now - seen <= self._headroom_window}
+        for name in [n for n in self._recent if n not in active]:
+            del self._recent[name]  # forgotten after the window: the dict stays as small as the tenants
+        if tenant not in active or len(active) < 2:
+            return 0
+        total = sum(self._weight(n) for n in active)
+        capacity = self._capacity()
+
+        def under(name: str) -> bool:
+            return self.ledger.tenant_inflight(name) < capacity * self._weight(name) / total
+
+        if under(tenant):
+            return 0
+        return max((cost for n, cost in active.items() if n != tenant and under(n)), default=0)
 
     async def _claimed(self, grant: Grant) -> bool:
         """Claim a local grant in the fleet (other coordinator processes on the same engines); a
@@ -397,7 +437,7 @@ class AdmissionController:
                 full.add(tenant)
                 continue
             try:
-                placement = waiter.place(waiter.req)
+                placement = self._place(waiter.req, waiter.place)
             except Exception as exc:
                 self._remove(waiter)
                 if isinstance(exc, NoHealthyEngine):
