@@ -31,6 +31,7 @@ from perf import (
     capacity,
     derender_cost,
     docs,
+    fairness,
     fleet_admission,
     kv_affinity,
     overload,
@@ -177,6 +178,34 @@ def test_fleet_admission_quick(out_root: Path, stub_render: str, capsys: pytest.
     figures = json.loads((out_root / "fleet_admission" / "result.json").read_text())
     assert figures["phases"]["redis"]["samples"] > 10 and figures["phases"]["redis"]["ok"] > 0
     assert (out_root / "fleet_admission" / "fleet_admission.png").stat().st_size > 0
+
+
+def test_fairness_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two tenants through a coordinator process, simulated engines and one load-generator process per
+    tenant, end to end: every phase served both tenants and the report, its TTFT breakdown from the
+    coordinator's request log and the plot are written (the targets are for full runs)."""
+    fairness.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "fairness" and result["quick"] is True
+    assert result["capacity_rps"] > 0 and result["errors"] == 0
+    figures = json.loads((out_root / "fairness" / "result.json").read_text())
+    for run, tenants in (("alone", {"B"}), ("mixed", {"A", "B"}), ("baseline", {"A", "B"})):
+        phase = figures["phases"][run]["tenants"]
+        assert set(phase) == tenants
+        for s in phase.values():
+            assert s["ok"] > 0 and s["ttft_breakdown"]["requests"] > 0, (run, s)
+    assert figures["phases"]["mixed"]["admission"]["tenants"].keys() >= {"A", "B"}
+    assert figures["phases"]["baseline"]["admission"]["tenants"].keys() >= {"shared"}
+    assert (out_root / "fairness" / "report.md").read_text().startswith("# Fairness")
+    assert (out_root / "fairness" / "fairness.png").stat().st_size > 0
+
+
+def test_max_min_shares() -> None:
+    """A tenant asking less than its part gets all it asks; the others split the rest by weight."""
+    assert fairness.max_min_shares({"A": 27.3, "B": 2.73}, {"A": 1, "B": 1}, 10) == pytest.approx({"A": 7.27, "B": 2.73})
+    assert fairness.max_min_shares({"A": 20, "B": 8}, {"A": 1, "B": 1}, 10) == {"A": 5, "B": 5}
+    assert fairness.max_min_shares({"A": 20, "B": 8}, {"A": 3, "B": 1}, 10) == {"A": 7.5, "B": 2.5}
+    assert fairness.max_min_shares({"A": 2, "B": 3}, {"A": 1, "B": 1}, 10) == {"A": 2, "B": 3}
 
 
 def outcome(arrival: float, kind: str = "ok", ttft: float | None = 0.1, status: int = 200,
