@@ -184,7 +184,9 @@ async def test_a_light_tenant_goes_ahead_of_a_heavy_tenants_backlog() -> None:
     ctl, ledger = controller()
     order = await run_backlogged(ctl, ledger, {"A": 30, "B": 5}, grants=10)
     assert order.count("B") == 5, order
-    assert order[:2] == ["B", "A"], order  # A already holds the engine: B's first request goes first
+    # A already holds the engine: B's first request goes first, and its second too (its tag ties with
+    # A's next one, and ties go to the tenant holding less).
+    assert order[:3] == ["B", "B", "A"], order
 
 
 async def test_busy_tenants_share_admitted_tokens_by_weight() -> None:
@@ -300,3 +302,28 @@ async def test_headroom_lets_a_light_tenant_start_at_once_next_to_a_heavy_backlo
                 if t.done() and not t.result().released:
                     t.result().release()
         assert all(t.done() for t in backlog) and ledger.global_inflight == 0
+
+
+async def test_a_smaller_request_does_not_take_the_room_a_larger_one_ahead_of_it_waits_for() -> None:
+    """The engine frees 10 tokens at a time; B's 20-token request is first in fair order. A's 10-token
+    requests behind it would fit each freed gap, but they must not take it: B goes once 20 are free."""
+    ctl, ledger = controller()
+    e = engine("http://e", budget=100)
+    place = placer(ledger, [e])
+    held = [await ctl.admit(req("A"), place) for _ in range(10)]
+    b = asyncio.create_task(ctl.admit(req("B", cost=20), place))
+    await settle()
+    a = [asyncio.create_task(ctl.admit(req("A"), place)) for _ in range(3)]
+    await settle()
+    held.pop().release()
+    await settle()
+    assert not b.done() and not any(t.done() for t in a)  # 10 free: B does not fit, A must not jump it
+    held.pop().release()
+    await settle()
+    assert b.done() and e.inflight_tokens == 100 and not any(t.done() for t in a)
+    for g in [*held, b.result()]:
+        g.release()
+    await settle()
+    for t in a:
+        (await t).release()
+    assert ledger.global_inflight == 0

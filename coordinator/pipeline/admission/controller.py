@@ -26,8 +26,8 @@ Rules, in one place:
 * **Headroom.** Fair order alone still makes a light tenant wait for the next release, which with
   few, long requests in flight is a long wait. So while two or more tenants have sent requests in
   the last ``headroom_window_s``, a tenant holding more than its weighted share of the budget may
-  not take the last tokens of an engine that one request of a tenant under its share needs (that
-  tenant's latest request size): the light tenant's next request starts at once, and the heavy
+  not take the last tokens of an engine that one request of a tenant under its share needs (the
+  largest that tenant sent while active): the light tenant's next request starts at once, and the heavy
   tenant's releases refill the room. It costs the heavy tenant at most one light request per engine.
 * **Fleet shares.** With a shared fleet each process also publishes its tenants' waiting tokens;
   while another tenant waits anywhere in the fleet, a tenant holding more than its weighted max-min
@@ -143,7 +143,7 @@ class AdmissionController:
         self._tenant_names = tenant_names  # the configured tenants (each process publishes them all)
         self._waiting: dict[str, int] = {}  # tenant → tokens of its waiters
         self._headroom_window = headroom_window_s  # None: no headroom for light tenants
-        self._recent: dict[str, tuple[float, int]] = {}  # tenant → (its latest arrival, that request's cost)
+        self._recent: dict[str, tuple[float, int]] = {}  # tenant → (latest arrival, largest cost since)
         self._lines: dict[str, list[_Waiter]] = {}  # tenant → its waiters sorted by key (none empty)
         self._count = 0
         self._vtime: dict[str, float] = {}  # tenant → virtual time after its last grant
@@ -176,7 +176,10 @@ class AdmissionController:
         """
         arrived = time.monotonic()
         if self._headroom_window is not None:
-            self._recent[req.tenant] = (arrived, req.cost_tokens)
+            seen, largest = self._recent.get(req.tenant, (0.0, 0))
+            if arrived - seen > self._headroom_window:
+                largest = 0  # idle for a window: start over
+            self._recent[req.tenant] = (arrived, max(largest, req.cost_tokens))
         waiters_ahead = self._ahead(req.tenant, req.priority)
         if (not waiters_ahead and self.ledger.global_room(req.cost_tokens)
                 and self.ledger.tenant_room(req.tenant, req.cost_tokens)
@@ -284,17 +287,18 @@ class AdmissionController:
             self._reject("no_engine")
             raise
 
-    def _place(self, req: SchedRequest, place: Place) -> Placement | None:
+    def _place(self, req: SchedRequest, place: Place, headroom: int | None = None) -> Placement | None:
         """``place(req)`` with the room a tenant over its share must leave for lighter ones."""
-        headroom = self._headroom(req.tenant)
+        if headroom is None:
+            headroom = self._headroom(req.tenant)
         if not headroom:
             return place(req)
         with self.ledger.holding_back(headroom):
             return place(req)
 
     def _headroom(self, tenant: str) -> int:
-        """Tokens ``tenant`` must leave free on each engine (see the module's rules): the latest
-        request size of the largest-asking tenant under its share, when ``tenant`` is over its own."""
+        """Tokens ``tenant`` must leave free on each engine (see the module's rules): the largest
+        request a tenant under its share sent while active, when ``tenant`` is over its own share."""
         if self._headroom_window is None or len(self._recent) < 2:
             return 0
         now = time.monotonic()
@@ -409,26 +413,39 @@ class AdmissionController:
         were granted in turn (one line: its own order)."""
         if len(self._lines) == 1:
             return list(next(iter(self._lines.values())))
-        heap = [(max(self._vtime.get(name, 0.0), self._vnow), i, name, 0)
+        # Ties go to the tenant holding fewer tokens (a light tenant's second request is not put
+        # behind a heavy tenant's next one because both tags are equal).
+        heap = [(max(self._vtime.get(name, 0.0), self._vnow), self.ledger.tenant_inflight(name), i, name, 0)
                 for i, name in enumerate(self._lines)]
         heapq.heapify(heap)
         out: list[_Waiter] = []
         while heap:
-            vtime, i, name, j = heapq.heappop(heap)
+            vtime, held, i, name, j = heapq.heappop(heap)
             line = self._lines[name]
             out.append(line[j])
             if j + 1 < len(line):
-                heapq.heappush(heap, (vtime + line[j].req.cost_tokens / self._weight(name), i, name, j + 1))
+                cost = line[j].req.cost_tokens
+                heapq.heappush(heap, (vtime + cost / self._weight(name), held + cost, i, name, j + 1))
         return out
 
     def _wake_pass(self) -> None:
-        full: set[str] = set()  # tenants at their concurrent_tokens this pass
+        full: set[str] = set()  # tenants at their concurrent_tokens (or fleet share) this pass
+        # Models whose engines had no room for a waiter: later waiters of the same model are not
+        # tried, so a smaller request cannot take the room a larger one ahead of it waits for (it
+        # would starve large requests, and a light tenant's behind a heavy tenant's small ones).
+        # ``held``: no room once a tenant over its share leaves its headroom (tenants under theirs
+        # may still fit).
+        no_room: set[str] = set()
+        held: set[str] = set()
         for waiter in self._order():
             if waiter.future.done():        # cancelled or timed out; its task removes it too
                 self._remove(waiter)
                 continue
-            tenant = waiter.req.tenant
-            if tenant in full:
+            tenant, model = waiter.req.tenant, waiter.req.model
+            if tenant in full or model in no_room:
+                continue
+            headroom = self._headroom(tenant)
+            if headroom and model in held:
                 continue
             if not self.ledger.global_room(waiter.req.cost_tokens):
                 break
@@ -437,7 +454,7 @@ class AdmissionController:
                 full.add(tenant)
                 continue
             try:
-                placement = self._place(waiter.req, waiter.place)
+                placement = self._place(waiter.req, waiter.place, headroom)
             except Exception as exc:
                 self._remove(waiter)
                 if isinstance(exc, NoHealthyEngine):
@@ -447,6 +464,7 @@ class AdmissionController:
                 waiter.future.set_exception(exc)
                 continue
             if placement is None:
+                (held if headroom else no_room).add(model)
                 continue
             self._remove(waiter)
             waiter.future.set_result(self._grant(waiter.req, placement, waiter.prefill_tokens,
