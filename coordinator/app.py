@@ -152,7 +152,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         adm, ledger, metrics, weight=lambda name: tenants.get(name).weight,
         queue_share=settings.tenants.max_queue_share, fleet_shares=settings.tenants.fleet_shares,
         capacity=lambda: adm.global_tokens or sum(e.token_budget for e in registry.engines if e.healthy),
-        tenant_names=lambda: tenants.tenants, headroom_window_s=settings.tenants.headroom_window_s)
+        tenant_names=lambda: tenants.tenants, headroom_window_s=settings.tenants.headroom_window_s,
+        engines=lambda: registry.engines)
     limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)

@@ -276,9 +276,9 @@ async def test_headroom_lets_a_light_tenant_start_at_once_next_to_a_heavy_backlo
     once, while A still gets every other token."""
     for window, b_waits in ((None, True), (10.0, False)):
         ledger = TokenLedger(None)
-        ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02, headroom_window_s=window,
-                                  capacity=lambda: 100)
         e = engine("http://e", budget=100)
+        ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02, headroom_window_s=window,
+                                  capacity=lambda: 100, engines=lambda e=e: [e])
         place = placer(ledger, [e])
         first_b = await ctl.admit(req("B"), place)  # B has been seen: two tenants are active
         first_b.release()
@@ -326,4 +326,25 @@ async def test_a_smaller_request_does_not_take_the_room_a_larger_one_ahead_of_it
     await settle()
     for t in a:
         (await t).release()
+    assert ledger.global_inflight == 0
+
+
+async def test_headroom_is_kept_on_two_engines_of_the_pool_not_on_every_one() -> None:
+    """Four engines of 25 tokens (two 10-token requests each, 20 + 5 spare): A fills them until only two
+    engines still have a B-sized room; the other two are filled to the brim."""
+    ledger = TokenLedger(None)
+    engines = [engine(f"http://e{i}", budget=25) for i in range(4)]
+    ctl = AdmissionController(AdmissionSettings(), ledger, tick_s=0.02, headroom_window_s=10.0,
+                              capacity=lambda: 100, engines=lambda: engines)
+    place = placer(ledger, engines)
+    (await ctl.admit(req("B"), place)).release()
+    held = [await ctl.admit(req("A"), place) for _ in range(6)]
+    extra = asyncio.create_task(ctl.admit(req("A"), place))
+    await settle()
+    assert sorted(e.inflight_tokens for e in engines) == [10, 10, 20, 20] and not extra.done()
+    b = await asyncio.wait_for(ctl.admit(req("B"), place), 1)
+    extra.cancel()
+    await asyncio.gather(extra, return_exceptions=True)
+    for g in [*held, b]:
+        g.release()
     assert ledger.global_inflight == 0
