@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="a short smoke run (numbers not meaningful)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.duration, args.warmup, args.replicas = 4.0, 1.0, 2
+        # The capacity window must hold whole requests (1 s each): from 0.5 s to 3 s.
+        args.duration, args.warmup, args.replicas = 6.0, 0.5, 2
     say = Progress(NAME)
     cost = args.prompt_tokens + args.max_tokens
     budget = args.slots * cost
