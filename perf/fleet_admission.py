@@ -8,9 +8,10 @@ request over all processes (docs/operations.md, "Fleet budget").
 Set-up, all in one run: ``--replicas`` coordinator processes (``python -m coordinator``), one real
 ``redis-server``, one render sidecar (real vLLM unless ``--render-url``), ``--engines`` simulated
 engines in a child process with a fixed cost (``ttft_s`` + ``decode_s_per_token`` per token, at most
-``--slots`` running at once; docs/simulator.md). Every request costs the same: ``prompt_tokens``
-token ids + ``max_tokens`` with ``ignore_eos``. Each engine's budget is ``slots`` x that cost, so a
-single coordinator never sends an engine more than it can run. A sampler reads every engine's own
+``--slots`` running at once, ``--stream-interval`` tokens per chunk; docs/simulator.md). Every
+request costs the same: ``prompt_tokens`` token ids + ``max_tokens`` with ``ignore_eos``. Each
+engine's budget is ``slots`` x that cost, so a single coordinator never sends an engine more than it
+can run. A sampler reads every engine's own
 ``/sim/state`` every 10 ms: the requests it holds (running + waiting) x the cost is what it holds.
 
 Phases:
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-s", type=float, default=0.02,
                     help="seconds per output token (at 0.01 a 2-core machine, not the fleet, limits goodput)")
     ap.add_argument("--ttft-s", type=float, default=0.05)
+    ap.add_argument("--stream-interval", type=int, default=8,
+                    help="tokens per streamed engine chunk (vLLM's --stream-interval); with 1 the 2-core "
+                         "machine spent its time on derender and the engines' clocks slipped")
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--overload", type=float, default=3.0)
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                                         for _ in range(args.prompt_tokens)],
             "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
     sims = [{"model": SERVED, "seed": i, "ttft_s": args.ttft_s, "decode_s_per_token": args.decode_s,
-             "max_concurrency": args.slots} for i in range(args.engines)]
+             "max_concurrency": args.slots, "stream_interval": args.stream_interval}
+            for i in range(args.engines)]
     with ExitStack() as stack:
         redis = RedisServer().start()
         stack.callback(redis.stop)
