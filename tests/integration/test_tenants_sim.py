@@ -195,8 +195,8 @@ def test_shares_hold_over_the_fleet_when_each_replica_sees_one_tenant(
         fleet_shares: bool, redis_server: RedisServer, render_sidecar: Any,
         coordinator_factory: CoordinatorFactory) -> None:
     """Tenant A only reaches replica 1, tenant B only replica 2, both with more requests waiting than
-    the engine's budget (4 requests) holds. Replica 1 learns of A's freed room first; without fleet
-    shares it takes nearly all of it. With them both tenants complete about as many requests."""
+    the engine's budget (4 requests) holds. Without fleet shares the replica that learns of freed room
+    first takes most of it. With them both tenants complete about as many requests."""
     fleet = {"backend": "redis", "redis_url": redis_server.url, "namespace": uuid.uuid4().hex}
     body = {"model": SERVED, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 20, "ignore_eos": True,
             "temperature": 0}
@@ -230,7 +230,9 @@ def test_shares_hold_over_the_fleet_when_each_replica_sees_one_tenant(
         if fleet_shares:
             assert 0.35 <= share <= 0.65, done
         else:
-            assert share < 0.35, f"B got {share:.2f} without fleet shares: the test shows nothing"
+            # Whichever replica learns of freed room first takes it (measured: B 0.16 in one run, 0.71
+            # in another): lopsided one way or the other.
+            assert abs(share - 0.5) > 0.15, f"B got {share:.2f} without fleet shares: the test shows nothing"
 
 
 def test_a_tenants_key_cannot_reach_the_operator_endpoints(
