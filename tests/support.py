@@ -17,6 +17,7 @@ import yaml
 from coordinator.embedded import EmbeddedCoordinator, free_port
 from perf._procs import RedisServer, reserved_port
 from token_engine.process import ManagedProcess
+from token_engine.simulator import SimulatedEngine
 
 __all__ = ["CoordinatorProcess", "CoordinatorServer", "RedisServer", "StreamReader", "free_port", "reserved_port", "sse_events", "streamed_text",
            "wait_until"]
@@ -155,3 +156,35 @@ class StreamReader(threading.Thread):
     @property
     def events(self) -> list[Any]:
         return sse_events(httpx.Response(200, text=self.text))
+
+
+def peak_at_engine(urls: list[str], sim: SimulatedEngine, body: dict[str, Any], clients: int,
+                    seconds: float) -> tuple[int, int]:
+    """Drive ``clients`` concurrent requests of ``body`` through each coordinator URL for ``seconds``;
+    the most requests the engine itself held at once (running + waiting), and how many completed."""
+    stop = time.monotonic() + seconds
+    done = [0]
+    peak = [0]
+    lock = threading.Lock()
+
+    def client(url: str) -> None:
+        with httpx.Client(timeout=60) as c:
+            while time.monotonic() < stop:
+                r = c.post(f"{url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                with lock:
+                    done[0] += 1
+
+    def sampler() -> None:
+        while time.monotonic() < stop:
+            state = sim.state()
+            peak[0] = max(peak[0], len(state["running"]) + len(state["waiting"]))
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=client, args=(url,)) for url in urls for _ in range(clients)]
+    threads.append(threading.Thread(target=sampler))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return peak[0], done[0]

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Generator
 
 import msgspec
 import uvicorn
@@ -24,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from coordinator.api.server import QuietServer
 from coordinator.config import TriggerSettings
 from coordinator.pipeline.topology.trigger import METASERVER_PATH, CallbackRefused, TriggerBoard
 
@@ -53,21 +53,13 @@ def _error(refused: CallbackRefused) -> JSONResponse:
                                    "param": None, "code": refused.status}}, status_code=refused.status)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the coordinator's own server owns SIGTERM (the drain)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 class Metaserver:
     """The metaserver's listener, run on the coordinator's event loop; tells ``board`` its URL."""
 
     def __init__(self, settings: TriggerSettings, board: TriggerBoard) -> None:
         self._settings = settings
         self._board = board
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.port = 0
 
@@ -80,7 +72,7 @@ class Metaserver:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_metaserver_app(self._board), lifespan="off", access_log=False,
                                 log_level="warning")
-        self._server = _Server(config)
+        self._server = QuietServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metaserver")
         while not self._server.started:
             if self._task.done():

@@ -11,8 +11,10 @@ is closed. Bodies have their own deadline in ``api/body.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Generator
 from typing import Any
 
 import uvicorn
@@ -96,3 +98,12 @@ def configure_logging(settings: Settings, worker: int | None = None) -> None:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn without its signal handlers, for a second listener on a coordinator's loop (the
+    metaserver, a worker's private socket): the coordinator's own server owns SIGTERM (the drain)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield

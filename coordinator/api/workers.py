@@ -32,7 +32,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.process import BaseProcess
@@ -52,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from coordinator.api.server import configure_logging, uvicorn_config
+from coordinator.api.server import QuietServer, configure_logging, uvicorn_config
 from coordinator.api.shutdown import draining_server
 from coordinator.config import Settings
 
@@ -183,14 +183,6 @@ def _json(r: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-class _QuietServer(uvicorn.Server):
-    """uvicorn without signal handlers: the worker's public server owns SIGTERM (the drain)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 class PrivateServer:
     """This worker's own /ready and /metrics on its unix socket, for its siblings to merge."""
 
@@ -204,7 +196,7 @@ class PrivateServer:
 
         private = Starlette(routes=[Route("/ready", ready), Route("/metrics", metrics)])
         config = uvicorn.Config(private, uds=path, lifespan="off", access_log=False, log_level="warning")
-        self._server = _QuietServer(config)
+        self._server = QuietServer(config)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from coordinator.pipeline.admission.fleet import GLOBAL, RedisFleet, Slot
 from tests.conftest import SERVED, CoordinatorFactory
-from tests.support import RedisServer
+from tests.support import RedisServer, peak_at_engine
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 ENGINE = "http://engine-a"
@@ -176,38 +176,6 @@ def slow_engine() -> Iterator[SimulatedEngine]:
         yield engine
 
 
-def _peak_at_engine(coords: list[Any], sim: SimulatedEngine, body: dict[str, Any], clients: int,
-                    seconds: float) -> tuple[int, int]:
-    """Drive ``clients`` concurrent streams of ``body`` through each coordinator for ``seconds``; the
-    most requests the engine itself held at once (running + waiting), and how many completed."""
-    stop = time.monotonic() + seconds
-    done = [0]
-    peak = [0]
-    lock = threading.Lock()
-
-    def client(url: str) -> None:
-        with httpx.Client(timeout=60) as c:
-            while time.monotonic() < stop:
-                r = c.post(f"{url}/v1/completions", json=body)
-                assert r.status_code == 200, r.text
-                with lock:
-                    done[0] += 1
-
-    def sampler() -> None:
-        while time.monotonic() < stop:
-            state = sim.state()
-            peak[0] = max(peak[0], len(state["running"]) + len(state["waiting"]))
-            time.sleep(0.01)
-
-    threads = [threading.Thread(target=client, args=(c.url,)) for c in coords for _ in range(clients)]
-    threads.append(threading.Thread(target=sampler))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return peak[0], done[0]
-
-
 @pytest.mark.parametrize("backend", ["redis", "local"])
 def test_two_coordinators_hold_one_engine_to_one_budget(
         backend: str, redis_server: RedisServer, render_sidecar: Any, slow_engine: SimulatedEngine,
@@ -224,7 +192,7 @@ def test_two_coordinators_hold_one_engine_to_one_budget(
     coords = [coordinator_factory(render_sidecar.url, [slow_engine.url],
                                   admission={"engine_tokens": 3 * cost + cost // 2, "fleet": fleet_cfg})
               for _ in range(2)]
-    peak, done = _peak_at_engine(coords, slow_engine, body, clients=4, seconds=4.0)
+    peak, done = peak_at_engine([c.url for c in coords], slow_engine, body, clients=4, seconds=4.0)
     print(f"fleet backend {backend}: the engine held at most {peak} requests; {done} completed")
     assert done >= 6
     if backend == "redis":

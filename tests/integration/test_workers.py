@@ -12,7 +12,6 @@ import re
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SERVED
-from tests.support import ROOT, StreamReader, refused, wait_until
+from tests.support import ROOT, StreamReader, peak_at_engine, refused, wait_until
 from token_engine.process import ManagedProcess
 from token_engine.simulator import SimConfig, SimulatedEngine
 
@@ -193,34 +192,10 @@ def test_local_backend_splits_the_engine_budget_between_the_workers(
     local backend each worker has half, so the engine never holds more than three."""
     with pod(tmp_path, str(render_sidecar.url), slow_engine.url,
              admission={"engine_tokens": 3 * COST + COST // 2, "fleet": {"backend": "local"}}) as p:
-        stop = time.monotonic() + 4.0
-        done = [0]
-        peak = [0]
-        lock = threading.Lock()
-
-        def client() -> None:
-            with httpx.Client(timeout=60) as c:
-                while time.monotonic() < stop:
-                    r = c.post(f"{p.url}/v1/completions", json=BODY)
-                    assert r.status_code == 200, r.text
-                    with lock:
-                        done[0] += 1
-
-        def sampler() -> None:
-            while time.monotonic() < stop:
-                state = slow_engine.state()
-                peak[0] = max(peak[0], len(state["running"]) + len(state["waiting"]))
-                time.sleep(0.01)
-
-        threads = [threading.Thread(target=client) for _ in range(8)]
-        threads.append(threading.Thread(target=sampler))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        peak, done = peak_at_engine([p.url], slow_engine, BODY, clients=8, seconds=4.0)
         per_worker = {dict(k)["worker"]: v for k, v in p.metrics()["coordinator_worker_requests"].items()}
-        print(f"two workers, local backend: the engine held at most {peak[0]} requests; {done[0]} completed "
+        print(f"two workers, local backend: the engine held at most {peak} requests; {done} completed "
               f"({per_worker} per worker)")
-        assert done[0] >= 4
-        assert 1 <= peak[0] <= 3, f"the engine held {peak[0]} requests of a 3-request budget"
+        assert done >= 4
+        assert 1 <= peak <= 3, f"the engine held {peak} requests of a 3-request budget"
         assert all(v > 0 for v in per_worker.values()), per_worker
