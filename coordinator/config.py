@@ -187,6 +187,12 @@ class EngineSettings(_Section):
         "--enable-scale-out`): it may take requests through /v1/chat/completions and /v1/completions "
         "when render is unavailable or the token-only route is missing (the native route)",
     )
+    structured_outputs: bool | None = Field(
+        default=None, description="the engine compiles grammars (structured outputs, forced tool calls): "
+        "true for `--enable-scale-out` engines, false for `--tokens-only` ones (no tokenizer); null = "
+        "learn it from the engine (`POST /tokenize` at start-up and whenever it comes back; "
+        "docs/engine-capabilities.md)",
+    )
 
 
 class DiscoverySettings(_Section):
@@ -205,6 +211,10 @@ class DiscoverySettings(_Section):
     )
     pd_protocol: PdProtocol = Field(
         default="handoff", description="P/D protocol of these engines (see engines[].pd_protocol)"
+    )
+    structured_outputs: bool | None = Field(
+        default=None, description="whether these engines compile grammars (see "
+        "engines[].structured_outputs); null = learn it from each engine"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"

@@ -38,6 +38,7 @@ from coordinator.observability.events import event
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import RequestContext
+from coordinator.pipeline.engines.capabilities import NATIVE_API
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
@@ -186,7 +187,8 @@ class NativeRoute:
         salt = body.get("cache_salt")
         req = SchedRequest(request_id=ctx.request_id, model=ctx.model, prompt_token_ids=first,
                            max_tokens=max(1, cost), priority=ctx.priority, tenant=ctx.tenant,
-                           cache_salt=salt if isinstance(salt, str) else None, native_api=True)
+                           cache_salt=salt if isinstance(salt, str) else None,
+                           needs=frozenset({NATIVE_API}))
         return req, body
 
     def _native_engines(self, model: str) -> list[Engine]:

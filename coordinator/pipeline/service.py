@@ -198,6 +198,8 @@ class Pipeline:
         ctx.record.prompt_tokens = prompt_tokens = sum(p.prompt_tokens for p in ctx.prompts)
         event(log, "render", ctx.request_id, model=ctx.model, tokenizer_source=ctx.tokenizer_source,
               route=ctx.route, prompts=len(ctx.prompts), prompt_tokens=prompt_tokens, latency_ms=render_ms)
+        if admit and ctx.route == "tokens":  # the native route's engines compile their own grammars
+            self._dispatch.check_capable(ctx)
         ctx.derender_request = request_view(ctx)
         if limiter is not None:
             # What OpenAI counts against tokens per minute: the prompt plus every token it may write.

@@ -4,7 +4,8 @@ Render (vLLM's own pydantic models) validates the rest; its 4xx answers reach th
 pydantic detail turned into the user's terms (``errors.UpstreamClientError``). Checks here exist
 because render is more permissive than the OpenAI API (e.g. temperature > 2, any message role),
 because a token-only engine has no tokenizer to catch what native vLLM would (token ids are checked
-in ``token_ids.py``), or because the token-only path cannot honour a field (structured outputs).
+in ``token_ids.py``; structured-output shapes in ``structured.py``), or because the token path cannot
+honour a field.
 
 Strict mode refuses only what cannot be honoured: a field set to ``null`` is unset, and OpenAI fields
 at values that change nothing (``store: false``, ``echo: false``, ``best_of: 1``, ...) are accepted
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from coordinator.pipeline.errors import BadRequest
+from coordinator.pipeline.structured import check_response_format, check_structured_outputs
 from coordinator.pipeline.token_ids import bias_keys, is_id_list
 
 log = logging.getLogger(__name__)
@@ -31,11 +33,13 @@ _COMMON = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
     "add_special_tokens", "priority", "cache_salt", "request_id", "allowed_token_ids", "return_token_ids",
+    # Grammars: render builds them, an engine with a tokenizer runs them (engines/capabilities.py).
+    "response_format", "structured_outputs",
     # Not ``bad_words``: a token-only engine cannot tokenize the words and silently ignores them.
 })
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "documents", "include_reasoning", "reasoning_effort",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -137,13 +141,6 @@ def _logit_bias(v: Any) -> None:
 
 
 
-def _response_format(v: Any) -> None:
-    if not isinstance(v, dict) or v.get("type") not in ("text",):
-        # Operators: structured outputs need a tokenizer on the engine (docs/openai-api.md).
-        raise BadRequest("This server does not support structured outputs: 'response_format' must be "
-                         "{\"type\": \"text\"}", param="response_format")
-
-
 _CHECKS: dict[str, Callable[[Any], None]] = {
     "temperature": _num("temperature", 0, 2),
     "top_p": _num("top_p", 0, 1, lo_open=True),
@@ -165,7 +162,8 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "skip_special_tokens": _bool("skip_special_tokens"),
     "stop": _stop,
     "stream_options": _stream_options,
-    "response_format": _response_format,
+    "response_format": check_response_format,
+    "structured_outputs": check_structured_outputs,
     "stop_token_ids": _id_list("stop_token_ids"),
     "allowed_token_ids": _id_list("allowed_token_ids"),
     "logit_bias": _logit_bias,

@@ -40,6 +40,7 @@ class Fleet:
         self.down: set[str] = set()
         self.slow: set[str] = set()
         self.metrics: dict[str, str] = {}
+        self.tokenize: dict[str, int] = {}  # /tokenize status per engine (unset: 404, a route it lacks)
         self.paths: list[str] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -53,6 +54,8 @@ class Fleet:
             return httpx.Response(self.status.get(base, 200))
         if request.url.path == "/metrics" and base in self.metrics:
             return httpx.Response(200, text=self.metrics[base])
+        if request.url.path == "/tokenize" and base in self.tokenize:
+            return httpx.Response(self.tokenize[base], json={})
         return httpx.Response(404)
 
 
@@ -528,7 +531,60 @@ async def test_scrape_failure_is_none(fleet: Fleet, http: httpx.AsyncClient) -> 
 async def test_telemetry_off_scrapes_nothing(make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
     reg = make(settings(EngineSettings(url=A)))
     await reg.probe_once()
-    assert fleet.paths == ["/health"]
+    assert fleet.paths == ["/health", "/tokenize"]  # health and, once, what it can run; no /metrics
+
+
+async def test_structured_outputs_are_learned_from_the_engines_tokenizer(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """/tokenize 200: a tokenizer is loaded (`--enable-scale-out`); vLLM's 400 "Tokenizer not
+    available": `--tokens-only`; no answer: not known yet, so no, and asked again next round."""
+    fleet.tokenize = {A: 200, B: 400}
+    fleet.slow.add(C)
+    reg = make(settings(EngineSettings(url=A), EngineSettings(url=B), EngineSettings(url=C)))
+    a, b, c = reg.engines
+    assert not any(e.can("structured_outputs") for e in (a, b, c))  # before the first round
+    await reg.probe_once()
+    assert (a.can("structured_outputs"), b.can("structured_outputs"), c.can("structured_outputs")) == (
+        True, False, False)
+    assert c.tokenizer is None
+    fleet.slow.discard(C)
+    fleet.tokenize[C] = 200
+    fleet.paths.clear()
+    await reg.probe_once()
+    assert c.can("structured_outputs")
+    assert fleet.paths.count("/tokenize") == 1  # only the engine that had not answered yet
+
+
+async def test_capabilities_are_asked_again_when_an_engine_comes_back(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """A restarted engine may have been started with other flags: what it could run is forgotten
+    while it is down and learned again when it answers."""
+    fleet.tokenize = {A: 200}
+    reg = make(settings(EngineSettings(url=A)))
+    (a,) = reg.engines
+    await reg.probe_once()
+    assert a.can("structured_outputs")
+    fleet.down.add(A)
+    await reg.probe_once()
+    assert a.tokenizer is None and not a.can("structured_outputs")
+    fleet.down.discard(A)
+    fleet.tokenize[A] = 400  # back as --tokens-only
+    await reg.probe_once()
+    assert a.healthy and not a.can("structured_outputs")
+
+
+async def test_configured_structured_outputs_win_and_skip_the_probe(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    fleet.tokenize = {A: 400, B: 200}
+    reg = make(settings(EngineSettings(url=A, structured_outputs=True),
+                        EngineSettings(url=B, structured_outputs=False)))
+    a, b = reg.engines
+    await reg.probe_once()
+    assert a.can("structured_outputs") and not b.can("structured_outputs")
+    assert "/tokenize" not in fleet.paths
+    reg.update([EngineSettings(url=A, structured_outputs=False), EngineSettings(url=B)])
+    await reg.probe_once()
+    assert not a.can("structured_outputs") and b.can("structured_outputs")  # B's now learned
 
 
 @pytest.fixture(scope="module")

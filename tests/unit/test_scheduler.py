@@ -352,3 +352,74 @@ def test_deferred_learning_places_the_kv_affinity_workload_exactly_as_learning_a
     assert d_picks == a_picks and d_matched == a_matched
     assert sum(a_matched) > 0.5 * sum(len(t.prompt) for t in schedule)   # affinity did find prefixes
     assert {u: d_index.blocks(u) for u in d_index.engines()} == {u: a_index.blocks(u) for u in a_index.engines()}
+
+
+# -- capabilities: a grammar needs an engine with a tokenizer -------------------------------------
+GRAMMAR = frozenset({"structured_outputs"})
+
+
+def test_a_constrained_request_only_lands_on_engines_that_can_run_its_grammar() -> None:
+    engines = [{"url": "http://e0:8000", "structured_outputs": False},
+               {"url": "http://e1:8000", "structured_outputs": True},
+               {"url": "http://e2:8000", "structured_outputs": False}]
+    sched, _reg, index, _ = make(engines, learn=False)
+    index.add("http://e0:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))  # affinity pulls to e0
+    for _ in range(4):
+        placement = sched.place(req(PROMPT, needs=GRAMMAR))
+        assert placement is not None and placement.engine.url == "http://e1:8000"
+    plain = sched.place(req(PROMPT))
+    assert plain is not None and plain.engine.url == "http://e0:8000"  # the others still take the rest
+    assert sched.capable(MODEL, GRAMMAR)
+
+
+def test_no_capable_engine_is_not_a_wait() -> None:
+    """Capability is checked on the eligible set: an empty result is 'no engine can', never 'wait for
+    room' (admission would hold the request until its timeout)."""
+    sched, _reg, _index, _ = make(urls(2, structured_outputs=False))
+    assert not sched.capable(MODEL, GRAMMAR)
+    with pytest.raises(NoHealthyEngine):
+        sched.place(req(PROMPT, needs=GRAMMAR))
+    assert not sched.has_other_engine(req(PROMPT, needs=GRAMMAR))
+
+
+def test_a_capable_engine_that_is_down_means_503_not_a_client_error() -> None:
+    sched, reg, _index, _ = make([{"url": "http://e0:8000", "structured_outputs": True},
+                                  {"url": "http://e1:8000", "structured_outputs": False}])
+    reg.engines[0].probe_ok = False
+    reg.engines[1].probe_ok = True
+    assert sched.capable(MODEL, GRAMMAR)  # exists: the request is fine, the fleet is not
+    with pytest.raises(NoHealthyEngine):
+        sched.place(req(PROMPT, needs=GRAMMAR))
+
+
+def test_pd_with_grammar_capable_decode_engines_hands_off_to_a_capable_prefill_engine() -> None:
+    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
+               {"url": "http://p1:8000", "role": "prefill", "structured_outputs": True},
+               {"url": "http://d0:8000", "role": "decode", "structured_outputs": True}]
+    sched, _reg, _index, _ = make(engines, pd_min=0)
+    for _ in range(3):
+        placement = sched.place(req(PROMPT, needs=GRAMMAR))
+        assert placement is not None and placement.prefill is not None
+        assert placement.prefill.url == "http://p1:8000" and placement.engine.url == "http://d0:8000"
+
+
+def test_pd_without_a_capable_prefill_engine_prefills_on_the_decode_engine() -> None:
+    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
+               {"url": "http://d0:8000", "role": "decode", "structured_outputs": True}]
+    sched, _reg, _index, metrics = make(engines, pd_min=0)
+    placement = sched.place(req(PROMPT, needs=GRAMMAR))
+    assert placement is not None and placement.prefill is None and placement.engine.url == "http://d0:8000"
+    assert metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": "decode_only"}) == 1
+
+
+def test_pd_whose_decode_engines_cannot_run_a_grammar_sends_it_to_a_capable_union_engine() -> None:
+    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
+               {"url": "http://d0:8000", "role": "decode", "structured_outputs": False},
+               {"url": "http://u0:8000", "role": "union", "structured_outputs": True}]
+    sched, _reg, _index, _ = make(engines, pd_min=0)
+    placement = sched.place(req(PROMPT, needs=GRAMMAR))
+    assert placement is not None and placement.prefill is None and placement.engine.url == "http://u0:8000"
+    plain = sched.place(req(PROMPT))
+    assert plain is not None and plain.prefill is not None  # unconstrained requests keep their P/D pair
+    only_prefill = make([engines[0] | {"structured_outputs": True}, engines[1]])[0]
+    assert not only_prefill.capable(MODEL, GRAMMAR)  # a prefill engine alone never writes the output

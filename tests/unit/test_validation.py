@@ -19,7 +19,23 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": []}, "messages"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": []}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": ""}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"pattern": "a+"}}, "structured_outputs.pattern"),
+    ({"structured_outputs": "json"}, "structured_outputs"),
     ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
@@ -27,6 +43,26 @@ def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
         validate_request("chat", {**CHAT, **patch}, strict=True)
     assert info.value.param == param
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("patch", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "person", "strict": True,
+        "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}},
+    {"response_format": {"type": "text"}},
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"regex": "[0-9]{3}", "disable_any_whitespace": True}},
+    {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+    {"structured_outputs": {"json": {"type": "integer"}}},
+    {"structured_outputs": {"json_object": True}},
+])
+def test_structured_output_requests_pass_validation_unchanged(kind: str, patch: dict) -> None:
+    """Render builds the grammar and an engine with a tokenizer runs it: the fields go on as sent."""
+    body = CHAT if kind == "chat" else {"model": "m", "prompt": "hi"}
+    out = validate_request(kind, {**body, **patch}, strict=True)  # type: ignore[arg-type]
+    assert {k: out[k] for k in patch} == patch
 
 
 def test_compat_mode_drops_unknown_fields_instead_of_failing() -> None:

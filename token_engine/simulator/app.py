@@ -27,6 +27,8 @@ from .config import SimConfig
 from .engine import SimEngine, SimRequest
 from .errors import (
     ENGINE_DEAD_MESSAGE,
+    NO_TOKENIZER_MESSAGE,
+    STRUCTURED_OUTPUTS_NEED_TOKENIZER,
     GenerationError,
     SimHTTPError,
     error_body,
@@ -256,8 +258,16 @@ class SimServer:
             )
         return await self._full(request, sim_req)
 
+    @staticmethod
+    def _admit_params(req: SimRequest) -> None:
+        """What vLLM's engine client checks when it takes the request (``SamplingParams.verify``), i.e.
+        after a stream's 200: a token-only engine has no tokenizer to build a grammar with."""
+        if req.params.structured_outputs is not None:
+            raise SimHTTPError(STRUCTURED_OUTPUTS_NEED_TOKENIZER)
+
     async def _full(self, request: GenerateRequest, req: SimRequest) -> Response:
         created = int(time.time())
+        self._admit_params(req)
         async with contextlib.aclosing(self.engine.generate(req)) as outputs:
             async for _ in outputs:
                 pass
@@ -306,6 +316,7 @@ class SimServer:
         generated = [0] * req.params.n
         tokens_sent = 0
         try:
+            self._admit_params(req)
             if faults is not None:  # "after 0 tokens": the 200 went out, no chunk did
                 await self._mid_stream_faults(req, faults, tokens_sent)
             async with contextlib.aclosing(self.engine.generate(req)) as outputs:
@@ -499,6 +510,12 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
     app.add_api_route("/inference/v1/abort_requests", abort_handler, methods=["POST"])
     if cfg.legacy_abort_route:
         app.add_api_route("/abort_requests", abort_handler, methods=["POST"])
+
+    @app.post("/tokenize")
+    async def tokenize() -> JSONResponse:
+        # `--tokens-only` forces skip_tokenizer_init: vLLM's /tokenize answers this 400 (the
+        # coordinator reads it as "no tokenizer, no structured outputs").
+        return JSONResponse(error_body(NO_TOKENIZER_MESSAGE, "BadRequestError", 400), status_code=400)
 
     @app.get("/health")
     async def health() -> Response:

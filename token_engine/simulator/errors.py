@@ -17,6 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
 
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# vLLM 0.32 sampling_params.py (_validate_structured_outputs) and serve/tokenize: no tokenizer loaded.
+STRUCTURED_OUTPUTS_NEED_TOKENIZER = (
+    "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'")
+NO_TOKENIZER_MESSAGE = "Tokenizer not available when `skip_tokenizer_init=True`"
 
 
 class SimValidationError(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from httpx_sse import EventSource
+from httpx_sse import EventSource, ServerSentEvent
 
 from coordinator.config import EngineClientSettings
 from coordinator.observability import tracing
@@ -24,6 +24,7 @@ from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import (
     BUSY_STATUSES,
     EngineBusy,
+    PipelineError,
     TokenRouteMissing,
     UpstreamClientError,
     UpstreamTimeout,
@@ -139,10 +140,21 @@ class EngineClient:
                 _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
                 raise UpstreamUnavailable(f"engine {engine.url} answered HTTP {resp.status_code}")
 
+            events = EventSource(resp).aiter_sse()
+            first = await self._first_event(engine, events)
+            if isinstance(first, PipelineError):
+                finished = True  # an error event ended the engine request: nothing to abort
+                raise first
+            if first is None:
+                finished = True
+
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 nonlocal finished
+                if first is None:  # [DONE] straight away: nothing to hand out
+                    return
+                yield first
                 try:
-                    async for event in EventSource(resp).aiter_sse():
+                    async for event in events:
                         if event.data == "[DONE]":
                             finished = True
                             return
@@ -165,6 +177,40 @@ class EngineClient:
             await resp.aclose()
             if not finished:
                 self.abort_soon(engine, request_id)
+
+    @staticmethod
+    async def _first_event(engine: Engine, events: AsyncIterator[ServerSentEvent]
+                           ) -> dict[str, Any] | PipelineError | None:
+        """The stream's first chunk (None: ``[DONE]``; an error event: the error to raise), read before
+        the stream counts as open.
+
+        vLLM validates a request's sampling parameters (a grammar, ``skip_tokenizer_init``) only when
+        the engine takes it, after the 200: its refusal arrives as the first SSE event, ``{"error":
+        {..., "code": 400}}``. Read here, it becomes the client's own 4xx with nothing sent yet, as
+        ``vllm serve`` answers before any byte; another error event before output is the engine's
+        failure (retried elsewhere), and once output flowed an error event stays an error in the
+        stream (``EngineStreamError``). The client waits for the first chunk anyway, so reading it
+        here costs no time to first token."""
+        try:
+            async for event in events:
+                if event.data == "[DONE]":
+                    return None
+                chunk: dict[str, Any] = _decode(event.data)
+                err = chunk.get("error")
+                if err is None:
+                    return chunk
+                err = err if isinstance(err, dict) else {"message": str(err)}
+                code = err.get("code")
+                if isinstance(code, int) and 400 <= code < 500 and code not in BUSY_STATUSES:
+                    return UpstreamClientError(code, {"error": err}, f"engine {engine.url} refused it")
+                # Nothing was handed out: another engine may take the request (attempts.retryable).
+                return UpstreamUnavailable(f"engine {engine.url} failed before any output: "
+                                           f"{err.get('message', err)}")
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"engine {engine.url} stream broke: {exc.__class__.__name__}") from exc
+        raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
 
     def _send_failed(self, engine: Engine, request_id: str,
                      exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:

@@ -21,6 +21,12 @@ import httpx
 from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
+from coordinator.pipeline.engines.capabilities import (
+    NATIVE_API,
+    STRUCTURED_OUTPUTS,
+    Capability,
+    probe_tokenizer,
+)
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
 from coordinator.pipeline.engines.telemetry import Telemetry, scrape
 
@@ -53,6 +59,8 @@ class Engine:
     native_api: bool = False         # also serves the OpenAI API (the native route may use it)
     max_model_len: int | None = None  # configured when shorter than the model's
     pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
+    structured_outputs: bool | None = None  # configured: compiles grammars; None = as learned
+    tokenizer: bool | None = None    # learned (capabilities.py); None = not known yet
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
@@ -64,6 +72,18 @@ class Engine:
 
     def serves(self, model: str) -> bool:
         return self.model is None or self.model == model
+
+    def can(self, capability: Capability) -> bool:
+        """Whether the engine can run what ``capability`` names (capabilities.py). Not known yet
+        counts as no: a constrained request must never reach an engine that would drop or refuse it."""
+        if capability == NATIVE_API:
+            return self.native_api
+        if capability == STRUCTURED_OUTPUTS:
+            return self.structured_outputs if self.structured_outputs is not None else self.tokenizer is True
+        return False
+
+    def can_all(self, needs: frozenset[Capability]) -> bool:
+        return all(self.can(c) for c in needs)
 
     @property
     def state(self) -> EngineState:
@@ -213,7 +233,8 @@ class EngineRegistry:
                                                self._settings.resilience.breaker_cooldown_s, self._clock),
                                 kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
                                 drain_requested=s.drain, native_api=s.native_api,
-                                max_model_len=s.max_model_len, pd_protocol=s.pd_protocol)
+                                max_model_len=s.max_model_len, pd_protocol=s.pd_protocol,
+                                structured_outputs=s.structured_outputs)
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -221,18 +242,19 @@ class EngineRegistry:
                 self._notify("added", engine)
                 continue
             before = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                      engine.removed, engine.drain_requested, engine.native_api)
+                      engine.removed, engine.drain_requested, engine.native_api, engine.structured_outputs)
             engine.role, engine.model, engine.weight = s.role, s.model, s.weight
             engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
             engine.kv_events_replay = s.kv_events_replay
             engine.native_api = s.native_api
             engine.max_model_len = s.max_model_len
             engine.pd_protocol = s.pd_protocol
+            engine.structured_outputs = s.structured_outputs
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain
             after = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                     engine.removed, engine.drain_requested, engine.native_api)
+                     engine.removed, engine.drain_requested, engine.native_api, engine.structured_outputs)
             if after != before:
                 log.info("engine %s updated", url)
                 self._sync(engine, force=True)
@@ -419,6 +441,10 @@ class EngineRegistry:
             else:
                 engine.probe_ok = ok
                 engine.probe_timeouts = 0
+            if ok is False:
+                engine.tokenizer = None  # it may come back started with other flags: ask again then
+            elif ok and engine.tokenizer is None and engine.structured_outputs is None:
+                await self._learn_capabilities(engine)
 
         async def telemetry() -> None:
             found = await scrape(self._http, engine.url, _PROBE_TIMEOUT_S)
@@ -429,6 +455,16 @@ class EngineRegistry:
             await asyncio.gather(health(), telemetry())
         else:
             await health()
+
+    async def _learn_capabilities(self, engine: Engine) -> None:
+        found = await probe_tokenizer(self._http, engine.url, _PROBE_TIMEOUT_S)
+        if found is None or not self._is_current(engine):
+            return
+        # No listener to tell: a request never waits for a capability (the scheduler refuses at once
+        # when no engine has it), and the first round runs before the coordinator serves.
+        engine.tokenizer = found
+        log.info("engine %s %s structured outputs (%s)", engine.url, "runs" if found else "cannot run",
+                 "tokenizer loaded" if found else "no tokenizer")
 
     async def discover_once(self) -> None:
         """One discovery round over every configured Service (no-op without any)."""

@@ -47,3 +47,17 @@ class QueueDepth:
 
     def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
         return [e for e in engines if e.telemetry.waiting is None or e.telemetry.waiting <= self._max]
+
+
+class Capable:
+    """Only engines that can run what the request needs (``SchedRequest.needs``: a grammar needs a
+    tokenizer on the engine, the native route needs its OpenAI API). Applied to the eligible set,
+    before the breaker and budget filters: an empty result means "no engine can run this" (an
+    error), never "wait for room"."""
+
+    name = "capable"
+
+    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+        if not req.needs:
+            return list(engines)
+        return [e for e in engines if e.can_all(req.needs)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from coordinator.pipeline.engines.capabilities import NATIVE_API, NO_NEEDS, Capability
 from coordinator.pipeline.engines.registry import Engine
 
 
@@ -22,7 +23,12 @@ class SchedRequest:
     engine_deaths: int = 0                            # attempts whose engine died under this request
     block_hashes: list[int] | None = None             # from render, else filled once by the scheduler
     hashes_counted: bool = False                      # its hashes' source is on /metrics already
-    native_api: bool = False                          # the native route: union engines with native_api only
+    needs: frozenset[Capability] = NO_NEEDS          # only engines that can all of these (capabilities.py)
+
+    @property
+    def native_api(self) -> bool:
+        """The native route: union engines with their OpenAI API only."""
+        return NATIVE_API in self.needs
 
     @property
     def prompt_tokens(self) -> int:

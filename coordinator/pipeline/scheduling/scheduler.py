@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from coordinator.config import EngineRole, SchedulingSettings, TopologySettings
 from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
-from coordinator.pipeline.scheduling.filters import Filter, HasRoom, NotTried, QueueDepth
+from coordinator.pipeline.scheduling.filters import Capable, Filter, HasRoom, NotTried, QueueDepth
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer, Picker
 from coordinator.pipeline.scheduling.prefix.hashing import BlockHash, block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
@@ -36,6 +37,9 @@ PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
 # The hybrid fallback's order, each with its coordinator_pd_decisions path (docs/scheduling.md).
 _FALLBACKS: tuple[tuple[EngineRole, str], ...] = (
     ("union", "fallback_union"), ("prefill", "fallback_prefill"), ("decode", "decode_only"))
+
+
+_CAPABLE = Capable()
 
 
 class NoOtherEngine(NoHealthyEngine):
@@ -119,16 +123,27 @@ class Scheduler:
         self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
 
     # -- public ---------------------------------------------------------------------------------
-    def uses_handoff(self, model: str) -> bool:
+    def uses_handoff(self, model: str, needs: frozenset[Capability] = NO_NEEDS) -> bool:
+        """P/D for ``model``: configured, or (auto) it has prefill engines and decode engines that can
+        run what the request needs (else its union engines run it; a prefill leg without the
+        capability is skipped: the decode engine prefills locally)."""
         mode = self._topology.mode
         if mode != "auto":
             return mode == "handoff"
-        roles = {e.role for e in self._registry.engines if e.serves(model)}
-        return {"prefill", "decode"} <= roles
+        engines = [e for e in self._registry.engines if e.serves(model)]
+        return (any(e.role == "prefill" for e in engines)
+                and any(e.role == "decode" and e.can_all(needs) for e in engines))
+
+    def capable(self, model: str, needs: frozenset[Capability]) -> bool:
+        """Whether any engine that may run ``model``'s output (union or decode, whatever its state
+        right now) can do what ``needs`` names: without one the request can never be served (a
+        client error naming the field), with one it waits or gets a 503 like any other."""
+        return not needs or any(e.role != "prefill" and e.serves(model) and not e.removed and e.can_all(needs)
+                                for e in self._registry.engines)
 
     def place(self, req: SchedRequest) -> Placement | None:
         """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine."""
-        handoff = self.uses_handoff(req.model) and not req.native_api  # the native route is union only
+        handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
         matched, continuing = self._lookup(req.block_hashes)  # once, for every role below
@@ -175,7 +190,7 @@ class Scheduler:
         engine = self._choose(data, "prefill", tokens)
         if engine is None:
             pool = [e for e in self._eligible(req.model, "prefill")
-                    if e.url not in req.exclude and e.breaker.available()]
+                    if e.url not in req.exclude and e.breaker.available() and e.can_all(req.needs)]
             if not pool:
                 raise NoHealthyEngine(f"No prefill engine can take a request for {req.model!r} right now")
             engine = min(pool, key=lambda e: e.inflight_tokens)
@@ -186,11 +201,11 @@ class Scheduler:
     def has_other_engine(self, req: SchedRequest) -> bool:
         """Whether a retry has somewhere to go (an eligible engine this request has not failed on).
         With the hybrid fallback a P/D request may also go to a union or a prefill engine."""
-        handoff = self.uses_handoff(req.model) and not req.native_api  # the native route is union only
+        handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         roles: tuple[EngineRole, ...] = ("union",)
         if handoff:
             roles = ("decode", "union", "prefill") if self._topology.hybrid_fallback else ("decode",)
-        return any(e.url not in req.exclude and (e.native_api or not req.native_api)
+        return any(e.url not in req.exclude and e.can_all(req.needs)
                    for role in roles for e in self._eligible(req.model, role))
 
     def forget(self, engine_url: str) -> None:
@@ -240,7 +255,7 @@ class Scheduler:
     def _routable(self, req: SchedRequest, role: EngineRole) -> bool:
         """Probe-healthy: a fleet whose decode engines all look down goes to a healthy union engine
         before panic routing to them is considered."""
-        return any(e.url not in req.exclude and e.breaker.available()
+        return any(e.url not in req.exclude and e.breaker.available() and e.can_all(req.needs)
                    for e in self._registry.eligible(req.model, role))
 
     def _prepare(self, req: SchedRequest) -> None:
@@ -258,8 +273,7 @@ class Scheduler:
     def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
         req = data.req
         eligible = self._eligible(req.model, role)
-        if req.native_api:
-            eligible = [e for e in eligible if e.native_api]
+        eligible = _CAPABLE(req, eligible, tokens)  # first: the other filters never see an incapable engine
         if not eligible:
             raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
         # Healthy (or, in panic, probe-unhealthy) already: the breaker decides the rest.

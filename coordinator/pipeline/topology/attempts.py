@@ -48,6 +48,7 @@ from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant, PrefillTokens, no_prefill
+from coordinator.pipeline.engines.capabilities import Capability
 from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
@@ -90,6 +91,10 @@ class Attempts:
         self._admission = admission
         self.resilience = resilience
         self._metrics = metrics
+
+    def capable(self, model: str, needs: frozenset[Capability]) -> bool:
+        """Whether some engine of ``model`` can run what ``needs`` names (whatever its state now)."""
+        return self._scheduler.capable(model, needs)
 
     async def admit(self, req: SchedRequest, *, prefill_tokens: PrefillTokens = no_prefill) -> Grant:
         """A grant and placement for ``req`` (waits in the admission queue if it must)."""

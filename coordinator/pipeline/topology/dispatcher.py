@@ -17,8 +17,11 @@ from coordinator.config import TopologySettings
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.engines.capabilities import STRUCTURED_OUTPUTS, Capability, needs_of
 from coordinator.pipeline.engines.client import EngineClient
+from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.scheduling.request import SchedRequest
+from coordinator.pipeline.structured import constraint_field
 from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.engine_stream import EngineStream
 from coordinator.pipeline.topology.handoff import HandoffLegs
@@ -73,10 +76,30 @@ class Dispatcher:
         # Render's hashes are of the plan's own (logical) ids: not for a relay's replay, nor for the
         # physical ids obfuscation sends.
         hashes = plan.block_hashes if obfuscator is None and ids is plan.prompt_token_ids else None
+        sp = generate["sampling_params"]
         return SchedRequest(request_id=generate["request_id"], model=ctx.model, prompt_token_ids=ids,
-                            max_tokens=int(generate["sampling_params"]["max_tokens"]), n=plan.n,
-                            priority=ctx.priority, tenant=ctx.tenant,
-                            cache_salt=salt if isinstance(salt, str) else None, block_hashes=hashes)
+                            max_tokens=int(sp["max_tokens"]), n=plan.n, priority=ctx.priority,
+                            tenant=ctx.tenant, cache_salt=salt if isinstance(salt, str) else None,
+                            block_hashes=hashes, needs=needs_of(sp))
+
+    def check_capable(self, ctx: RequestContext) -> None:
+        """Before admission: a request only an engine with a capability can run (a grammar needs
+        the engine's tokenizer) is a client error when no engine of its model has it, or when token
+        obfuscation is on (grammars are compiled against the real vocabulary, engines see permuted
+        ids). Never a silent drop of the constraint, never a 5xx."""
+        needs: frozenset[Capability] = frozenset().union(
+            *(needs_of(p.generate.get("sampling_params")) for p in ctx.prompts))
+        if STRUCTURED_OUTPUTS not in needs:
+            return
+        field = constraint_field(ctx.body)
+        if self._client.obfuscator is not None:
+            raise BadRequest(f"'{field}' needs structured outputs, which this server cannot run with "
+                             "token obfuscation on: grammars are built for the real vocabulary and the "
+                             "engines see permuted token ids", param=field)
+        if not self._attempts.capable(ctx.model, needs):
+            raise BadRequest(f"'{field}' needs structured outputs, which no engine serving model "
+                             f"{ctx.model!r} can run: its engines load no tokenizer (--tokens-only)",
+                             param=field)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],

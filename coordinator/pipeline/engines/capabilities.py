@@ -1,0 +1,58 @@
+"""What an engine can run beyond plain token generation, learned from the engine itself.
+
+Why learned: a ``--tokens-only`` engine runs with ``skip_tokenizer_init``, so vLLM refuses structured
+outputs on it (``SamplingParams._validate_structured_outputs``: "Structured outputs requires a
+tokenizer..."), while an engine started with ``--enable-scale-out`` loads the tokenizer, serves the
+same ``/inference/v1/generate`` and compiles grammars. Operators mix both (token-only engines are
+lighter and start faster), and a flag in the coordinator's config would drift from the engines' own
+command lines, so the coordinator asks each engine: ``POST /tokenize`` answers 200 only where a
+tokenizer is loaded, and 400 "Tokenizer not available when `skip_tokenizer_init=True`" on a token-only
+engine (vLLM 0.32, ``entrypoints/serve/tokenize``). ``engines[].structured_outputs`` overrides what
+was learned (docs/engine-capabilities.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+Capability = Literal["structured_outputs", "native_api"]
+"""``structured_outputs``: a tokenizer is loaded, so grammars compile (``response_format`` json modes,
+``structured_outputs``, ``tool_choice`` required / named, ``parallel_tool_calls: false``).
+``native_api``: the engine's own OpenAI API may take requests (the native route)."""
+
+STRUCTURED_OUTPUTS: Capability = "structured_outputs"
+NATIVE_API: Capability = "native_api"
+NO_NEEDS: frozenset[Capability] = frozenset()
+
+_PROBE_BODY = {"prompt": "."}
+
+
+async def probe_tokenizer(http: httpx.AsyncClient, url: str, timeout_s: float) -> bool | None:
+    """Whether the engine at ``url`` loads a tokenizer: True (``/tokenize`` answers 200), False (a 4xx:
+    vLLM's "Tokenizer not available", or no such route), None (no answer: ask again next round)."""
+    try:
+        resp = await http.post(f"{url}/tokenize", json=_PROBE_BODY, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code == 200:
+        return True
+    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+        return False
+    return None
+
+
+def needs_of(sampling_params: object) -> frozenset[Capability]:
+    """What an engine must be able to do to run a GenerateRequest's ``sampling_params``. Render puts
+    every constraint it derived (``response_format``, ``structured_outputs``, forced tool calls)
+    into ``structured_outputs``, so this one key says it all."""
+    if isinstance(sampling_params, dict) and sampling_params.get("structured_outputs") is not None:
+        return frozenset({STRUCTURED_OUTPUTS})
+    return NO_NEEDS
+
+
+__all__ = ["NATIVE_API", "NO_NEEDS", "STRUCTURED_OUTPUTS", "Capability", "needs_of", "probe_tokenizer"]
