@@ -3,9 +3,11 @@
 ``python deploy/local_stack.py`` (or ``python -m deploy.local_stack``, or ``make run``):
 
 1. prepares the SmolLM2 model folder if needed (``token_engine.model_prep``);
-2. starts the render sidecars (one process per ``render.urls`` entry, or the one ``render.url``) and a
-   tokens-only engine **in parallel** (each needs ~15-60 s, mostly ``import vllm``), with ``[render]``,
-   ``[render-1]``, ... / ``[engine]`` log prefixes;
+2. starts the render sidecars (one process per ``render.urls`` entry, or the one ``render.url``) and an
+   engine **in parallel**: ``--enable-scale-out`` by default (it loads the tokenizer, so structured
+   outputs, forced tool calls and the native fallback work; ``--engine-mode tokens-only`` for the
+   lighter engine without them, docs/engine-capabilities.md); each needs ~15-60 s, mostly
+   ``import vllm``; their logs carry ``[render]``, ``[render-1]``, ... / ``[engine]`` prefixes;
 3. when both answer ``/health``, starts ``python -m coordinator --config deploy/local/coordinator.yaml``
    and prints a ``ready:`` line with a curl example once its ``/ready`` answers 200.
 
@@ -33,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:  # `python deploy/local_stack.py` puts deploy
 import yaml  # noqa: E402
 
 from render_sidecar.launch import RenderSidecar  # noqa: E402
-from token_engine.launch import VllmEngine  # noqa: E402
+from token_engine.launch import EngineMode, VllmEngine  # noqa: E402
 from token_engine.model_prep import MissingDependencyError, ModelPrepError, ensure_model  # noqa: E402
 from token_engine.process import ManagedProcess, echo_line, wait_http_ready_all  # noqa: E402
 from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN  # noqa: E402
@@ -108,7 +110,8 @@ def _curl_example(base: str, model: str) -> str:
 
 
 def run_stack(
-    config_path: Path, model_dir: Path, *, ready_timeout: float, log_dir: Path | None, with_coordinator: bool
+    config_path: Path, model_dir: Path, *, ready_timeout: float, log_dir: Path | None, with_coordinator: bool,
+    engine_mode: EngineMode = "scale-out",
 ) -> int:
     """Start, supervise and stop the stack; returns the process exit status."""
     plan = load_plan(config_path)
@@ -130,7 +133,7 @@ def run_stack(
     ]
     engine = VllmEngine(
         model_dir, host=plan.engine_host, port=plan.engine_port, served_model_name=plan.model_name,
-        mode="tokens-only", max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("engine"),
+        mode=engine_mode, max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("engine"),
     )
     coordinator: ManagedProcess | None = None
     servers: list[VllmServer] = [*renders, engine]
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for render + engine")
     parser.add_argument("--log-dir", type=Path, default=None, help="also write <name>.log files here")
     parser.add_argument("--no-coordinator", action="store_true", help="only render sidecar + engine")
+    parser.add_argument("--engine-mode", choices=["scale-out", "tokens-only"], default="scale-out",
+                        help="scale-out (default): tokenizer loaded, structured outputs and the native "
+                        "fallback; tokens-only: lighter, neither (set native_api: false in the config)")
     args = parser.parse_args(argv)
     try:
         model_dir = args.model_dir or ensure_model(args.cache_dir)
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return run_stack(
         args.config.resolve(), model_dir, ready_timeout=args.ready_timeout, log_dir=args.log_dir,
-        with_coordinator=not args.no_coordinator,
+        with_coordinator=not args.no_coordinator, engine_mode=args.engine_mode,
     )
 
 

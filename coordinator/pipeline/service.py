@@ -37,6 +37,7 @@ from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 from coordinator.pipeline.errors import ClientGone, PipelineError, TokenRouteMissing, first_leaf
 from coordinator.pipeline.native_route import ChunkStream, NativeStream
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.structured import name_constraint
 from coordinator.pipeline.token_ids import check_client_ids
 from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.validation import validate_request
@@ -154,6 +155,8 @@ class Pipeline:
             if isinstance(exc, ClientGone):
                 record.gone()
             elif isinstance(exc, Exception):
+                if isinstance(exc, PipelineError):
+                    name_constraint(exc, body)
                 record.fail(exc, exc.status if isinstance(exc, PipelineError) else 500)
             else:
                 record.cancel("cancelled")  # the caller's task was cancelled (unless the door said why)

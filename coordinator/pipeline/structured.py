@@ -15,10 +15,11 @@ by the engine with a 400, which reaches the client before any byte (``engines/cl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.pipeline.errors import BadRequest
+from coordinator.pipeline.errors import BadRequest, PipelineError
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 # StructuredOutputsParams' constraint keys (vLLM 0.32 sampling_params.py): exactly one may be set.
@@ -97,3 +98,24 @@ def constraint_field(body: Mapping[str, Any]) -> str:
     if body.get("parallel_tool_calls") is False:
         return "parallel_tool_calls"
     return "tool_choice"
+
+
+# How render and the engines word a grammar they cannot build: xgrammar's "Grammar error: ...",
+# vLLM's "Invalid grammar specification: ...", "invalid regex", JSON-schema conversion failures.
+_GRAMMAR_REFUSAL = re.compile(r"grammar|regex|json.?schema|structural.?tag|structured output", re.IGNORECASE)
+
+
+def name_constraint(error: PipelineError, body: object) -> None:
+    """Give a 4xx about the request's grammar the ``param`` that asked for it: vLLM refuses a bad
+    schema, regex or grammar with ``param: null``, and a client deserves to know which field."""
+    if (error.param is None and 400 <= error.status < 500 and isinstance(body, dict)
+            and _asks_for_grammar(body) and _GRAMMAR_REFUSAL.search(error.message)):
+        error.param = constraint_field(body)
+
+
+def _asks_for_grammar(body: Mapping[str, Any]) -> bool:
+    fmt = body.get("response_format")
+    choice = body.get("tool_choice")
+    return (body.get("structured_outputs") is not None
+            or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
+            or choice == "required" or isinstance(choice, dict))

@@ -158,10 +158,13 @@ def test_n2_failure_before_any_output_is_retried_as_a_whole(
     before = calls(sims)
     baseline = run(coord, body)
     served_by(sims, before).set_faults(calls=1, drop_after_tokens=0)  # the 200, then no chunk
+    retries = coord.components.metrics.retries._value.get()
     events = run(coord, body)
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
     assert streamed_text(events) == streamed_text(baseline)
-    assert relays(coord) == 1
+    # The stream counts as open only once its first chunk is in (engines/client.py), so this is a
+    # retry before anything streamed, not a relay.
+    assert coord.components.metrics.retries._value.get() == retries + 1 and relays(coord) == 0
     assert coord.wait_idle() == 0
 
 
