@@ -14,7 +14,9 @@ drift on a shared machine hits both. Per (endpoint, concurrency), medians over r
 ``ttft_p50_ratio`` and ``itl_p50_ratio`` (coordinator / native median), ``throughput_ratio``
 (output tokens/s, coordinator / native). CPU seconds per output token of the coordinator, the
 sidecar (with its renderer workers), the tokens-only engine and the native engine, same cells:
-where a target is missed, this is what explains it on a CPU-bound machine.
+where a target is missed, this is what explains it on a CPU-bound machine. The ``chat_json`` cells
+constrain every request with one JSON schema (``response_format``); there the coordinator's engine is
+the ``--enable-scale-out`` one (grammars need its tokenizer), so both targets run on the same engine.
 
     python -m perf.ab_native [--prompts 16] [--input-len 32] [--output-len 16] [--concurrency 1,4]
         [--reps 3] [--quick]
@@ -23,6 +25,7 @@ where a target is missed, this is what explains it on a CPU-bound machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -37,7 +40,16 @@ from perf._report import Progress, final_json, save_figure, write_report
 
 NAME = "ab_native"
 TARGETS = {"ttft_p50_ratio": 1.10, "itl_p50_ratio": 1.05, "throughput_ratio": 0.95}
-ENDPOINTS = {"chat": ("openai-chat", "/v1/chat/completions"), "completions": ("openai", "/v1/completions")}
+ENDPOINTS = {"chat": ("openai-chat", "/v1/chat/completions"), "completions": ("openai", "/v1/completions"),
+             "chat_json": ("openai-chat", "/v1/chat/completions")}
+# The JSON-schema workload: every request constrained by one schema (what an agent's output type sends).
+# On the coordinator side it runs on a second coordinator whose only engine is the --enable-scale-out
+# one (a --tokens-only engine cannot compile grammars), so both targets use the same engine process.
+JSON_BODY = {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "item", "strict": True, "schema": {
+        "type": "object", "additionalProperties": False, "required": ["title", "tags", "score"],
+        "properties": {"title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                       "score": {"type": "integer"}}}}}}
 KEEP = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_output_tokens",
         "median_ttft_ms", "p90_ttft_ms", "median_itl_ms", "p90_itl_ms", "median_tpot_ms", "median_e2el_ms")
 
@@ -64,7 +76,8 @@ def bench_argv(url: str, endpoint: str, model_dir: str, args: argparse.Namespace
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts),
             "--max-concurrency", str(conc), "--request-rate", "inf", "--num-warmups", str(min(2, conc)),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90",
-            "--temperature", "0", "--seed", str(seed), "--disable-tqdm"]
+            "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+            *(["--extra-body", json.dumps(JSON_BODY)] if endpoint == "chat_json" else [])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", default="1,4")
-    ap.add_argument("--endpoints", default="chat,completions")
+    ap.add_argument("--endpoints", default="chat,completions,chat_json")
     ap.add_argument("--reps", type=int, default=3,
                     help="repetitions of every cell on both targets (the median drops one stalled run)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, chat, concurrency 1, 1 rep")
@@ -106,12 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         coord = stack.enter_context(CoordinatorProcess(
             {"render": render_config([sidecar.url]), "engines": [{"url": engines["tokens-only"].url}],
              "models": [{"name": SERVED}]}, log_path=out_dir / "coordinator.log"))
+        coord_json = stack.enter_context(CoordinatorProcess(
+            {"render": render_config([sidecar.url]), "engines": [{"url": engines["scale-out"].url}],
+             "models": [{"name": SERVED}]}, log_path=out_dir / "coordinator-json.log")) \
+            if "chat_json" in endpoints else coord
         pool = stack.enter_context(ProcessPoolExecutor(1, mp_context=get_context("spawn")))
-        pids = {"coordinator": [coord.pid], "sidecar": [sidecar_pid(sidecar)],
+        pids = {"coordinator": list(dict.fromkeys((coord.pid, coord_json.pid))),
+                "sidecar": [sidecar_pid(sidecar)],
                 "tokens_only_engine": [engines["tokens-only"].process.pid if engines["tokens-only"].process
                                        else None],
                 "native_engine": [engines["scale-out"].process.pid if engines["scale-out"].process else None]}
         urls = {"coordinator": coord.url, "native": engines["scale-out"].url}
+        json_urls = {"coordinator": coord_json.url, "native": engines["scale-out"].url}
         say("ready; warm-up (one small run per target)")
         for target in ("coordinator", "native"):
             warm = argparse.Namespace(**{**vars(args), "prompts": 2})
@@ -122,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                     order = ("coordinator", "native") if rep % 2 == 0 else ("native", "coordinator")
                     for target in order:
                         cpu0 = {k: cpu_sum(v) for k, v in pids.items()}
-                        res = pool.submit(bench, bench_argv(urls[target], endpoint, str(model), args, conc,
+                        url = (json_urls if endpoint == "chat_json" else urls)[target]
+                        res = pool.submit(bench, bench_argv(url, endpoint, str(model), args, conc,
                                                             rep)).result()
                         cpu1 = {k: cpu_sum(v) for k, v in pids.items()}
                         tokens = res.get("total_output_tokens") or 0

@@ -80,7 +80,13 @@ async def _convert(request: Request, *, count: bool) -> JSONResponse:
         chat = AnthropicServingMessages.to_chat_completion_request(parsed, merge_inline_system=merge)
     except (ValueError, TypeError) as exc:  # e.g. a tool_removal naming an undeclared tool
         return bad_request(str(exc), "messages")
-    return JSONResponse(chat.model_dump(mode="json", exclude_unset=True, exclude_none=True))
+    out = chat.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    if chat.response_format is not None:
+        # Set after construction (``output_config.format``): by field name its schema would dump as
+        # ``json_schema``, which the chat model reads back as no schema at all; the wire name is the alias.
+        fmt = chat.response_format
+        out["response_format"] = fmt.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return JSONResponse(out)
 
 
 async def messages_chat(request: Request) -> JSONResponse:

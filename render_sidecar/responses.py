@@ -138,11 +138,22 @@ def chat_form(parsed: Any, *, exclude_tools_when_none: bool) -> dict[str, Any] |
         chat["top_logprobs"] = parsed.top_logprobs or 0
     fmt = parsed.text.format if parsed.text is not None else None
     if fmt is not None:
-        chat["response_format"] = fmt.model_dump(mode="json", by_alias=True, exclude_none=True)
+        chat["response_format"] = _chat_response_format(
+            fmt.model_dump(mode="json", by_alias=True, exclude_none=True))
     if parsed.structured_outputs is not None:
         chat["structured_outputs"] = parsed.model_dump(mode="json", include={"structured_outputs"})[
             "structured_outputs"]
     return chat
+
+
+def _chat_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """Responses' flat ``text.format`` (``{"type": "json_schema", "name", "schema", "strict"}``) in
+    Chat Completions' shape (``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``);
+    ``text`` and ``json_object`` are the same in both."""
+    if fmt.get("type") != "json_schema":
+        return fmt
+    inner = {k: v for k, v in fmt.items() if k != "type"}
+    return {"type": "json_schema", "json_schema": inner}
 
 
 def _tool_names(tools: list[Any]) -> tuple[dict[str, dict[str, str | None]], list[str]]:

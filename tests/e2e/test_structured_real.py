@@ -249,3 +249,42 @@ def test_an_engine_marked_capable_by_mistake_answers_its_refusal_before_any_byte
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
     assert "requires a tokenizer" in r.json()["error"]["message"]
     assert coord.wait_idle() == 0
+
+
+# -- the other doors: Responses `text.format`, Messages `output_config` ----------------------------
+def test_responses_text_format_json_schema_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
+    body = {"model": SERVED, "input": ASK, "temperature": 0, "max_output_tokens": 40,
+            "text": {"format": {"type": "json_schema", "name": "person", "strict": True, "schema": PERSON}}}
+    ours = post(coord.url, "/v1/responses", body)
+    native = post(vllm_stack.native.url, "/v1/responses", body)
+    assert ours.status_code == native.status_code == 200, (ours.text, native.text)
+
+    def text(r: httpx.Response) -> str:
+        return "".join(p["text"] for item in r.json()["output"] if item["type"] == "message"
+                       for p in item["content"])
+
+    assert text(ours) == text(native) != ""
+    assert ours.json()["usage"]["output_tokens"] == native.json()["usage"]["output_tokens"]
+
+
+def test_messages_output_config_json_schema_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
+    body = {"model": SERVED, "max_tokens": 40, "temperature": 0,
+            "messages": [{"role": "user", "content": ASK}],
+            "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
+    ours = post(coord.url, "/v1/messages", body)
+    native = post(vllm_stack.native.url, "/v1/messages", body)
+    assert ours.status_code == native.status_code == 200, (ours.text, native.text)
+    assert ours.json()["content"] == native.json()["content"] and ours.json()["content"][0]["text"]
+    assert ours.json()["stop_reason"] == native.json()["stop_reason"]
+
+
+def test_messages_and_responses_name_their_own_field_when_no_engine_can(
+        vllm_stack: VllmStack, coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(vllm_stack.render_url, [vllm_stack.engine.url])
+    r = post(coord.url, "/v1/messages", {"model": SERVED, "max_tokens": 8, "messages": [
+        {"role": "user", "content": ASK}], "output_config": {"format": {"type": "json_schema", "schema": PERSON}}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "output_config" in r.json()["error"]["message"]
+    r = post(coord.url, "/v1/responses", {"model": SERVED, "input": ASK, "max_output_tokens": 8, "text": {
+        "format": {"type": "json_schema", "name": "p", "schema": PERSON}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text  # the Responses field

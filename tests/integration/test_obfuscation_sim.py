@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.config import ModelSettings
+from coordinator.config import EngineSettings, ModelSettings
 from coordinator.pipeline.obfuscation import KeyedPermutation
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.support import CoordinatorServer, sse_events, streamed_text
@@ -119,3 +119,25 @@ def test_stop_token_ids_and_logprobs(coords: tuple[CoordinatorServer, Coordinato
     assert text and "".join(tokens) == text + " four"
     assert on.wait_idle() == 0
 
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_with_obfuscation_on_is_a_400_even_on_an_engine_said_to_run_grammars(
+        render_sidecar: Any, model_dir: Path, engines: tuple[SimulatedEngine, SimulatedEngine],
+        coordinator_factory: CoordinatorFactory, tmp_path: Path, stream: bool) -> None:
+    """A grammar is compiled against the real vocabulary and the engine would apply it to permuted
+    ids: refused with a 400 naming the field before anything is sent, never a silently wrong output."""
+    key = tmp_path / "token.key"
+    key.write_bytes(KEY)
+    _plain, permuted = engines
+    on = coordinator_factory(render_sidecar.url, [],
+                             engines=[EngineSettings(url=permuted.url, structured_outputs=True)],
+                             models=[ModelSettings(name=SERVED, aliases=["gpt-4o-mini"], path=str(model_dir))],
+                             obfuscation={"enabled": True, "key_file": str(key)})
+    calls = permuted.state()["generate_calls"]
+    r = httpx.post(f"{on.url}/v1/chat/completions", timeout=60,
+                   json=chat(stream=stream, structured_outputs={"choice": ["yes", "no"]}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "obfuscation" in r.json()["error"]["message"]
+    assert permuted.state()["generate_calls"] == calls
+    assert post(on, "/v1/chat/completions", chat()).json()["choices"][0]["message"]["content"]
