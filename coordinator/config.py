@@ -187,6 +187,11 @@ class EngineSettings(_Section):
         "--enable-scale-out`): it may take requests through /v1/chat/completions and /v1/completions "
         "when render is unavailable or the token-only route is missing (the native route)",
     )
+    api_key: SecretStr | None = Field(
+        default=None, description="bearer token for an engine run with `--api-key` (its /inference and /v1 "
+        "routes); the coordinator's own credential, never a client's key. Keep it in a Secret "
+        "(docs/engine-capabilities.md)",
+    )
     structured_outputs: bool | None = Field(
         default=None, description="the engine compiles grammars (structured outputs, forced tool calls): "
         "true for `--enable-scale-out` engines, false for `--tokens-only` ones (no tokenizer); null = "
@@ -211,6 +216,9 @@ class DiscoverySettings(_Section):
     )
     pd_protocol: PdProtocol = Field(
         default="handoff", description="P/D protocol of these engines (see engines[].pd_protocol)"
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="bearer token of these engines (see engines[].api_key)"
     )
     structured_outputs: bool | None = Field(
         default=None, description="whether these engines compile grammars (see "

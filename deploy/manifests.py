@@ -450,8 +450,9 @@ def check_discovery(f: Fleet, s: Settings) -> Iterator[str]:
             if e.sts["spec"].get("serviceName") != svc["metadata"]["name"]:
                 yield (f"[discovery] {e.name}: serviceName {e.sts['spec'].get('serviceName')!r} is not its "
                        f"Service {svc['metadata']['name']!r}")
-            if not has_flag(e.container, "--tokens-only"):
-                yield f"[discovery] {e.name}: engines must run --tokens-only"
+            if not (has_flag(e.container, "--tokens-only") or has_flag(e.container, "--enable-scale-out")):
+                # A plain `vllm serve` refuses the token route (403 "Scale-out endpoints are disabled").
+                yield f"[discovery] {e.name}: engines must run --enable-scale-out or --tokens-only"
     for e in f.engines:
         if e.name not in covered:
             yield (f"[discovery] StatefulSet {e.name} is behind no discovery entry: "

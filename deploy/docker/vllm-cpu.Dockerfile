@@ -68,4 +68,4 @@ EXPOSE 8200 5557 5558
 HEALTHCHECK --interval=10s --timeout=3s --start-period=180s --retries=3 \
   CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8200/health', timeout=2).status != 200)"]
 ENTRYPOINT ["python", "-m", "vllm.entrypoints.launchers.api_server.entry"]
-CMD ["--model", "/models/served-model", "--host", "0.0.0.0", "--port", "8200", "--tokens-only", "--dtype", "float32", "--enforce-eager"]
+CMD ["--model", "/models/served-model", "--host", "0.0.0.0", "--port", "8200", "--enable-scale-out", "--dtype", "float32", "--enforce-eager"]

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from coordinator.config import EngineSettings
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.support import CoordinatorServer, free_port, sse_events, streamed_text, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
@@ -189,6 +190,33 @@ def test_api_keys_are_required_when_configured(render_sidecar: Any, sim: Simulat
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(f"{coord.url}/v1/models").status_code == 401
     assert httpx.post(url, json=chat(), headers={"Authorization": "Bearer k-123"}).status_code == 200
+
+
+def test_engines_behind_api_key_get_the_coordinators_credential_never_the_clients(
+        render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """An engine run with ``--api-key``: generate, stream and abort carry ``engines[].api_key``; the
+    client's own key never reaches it, and a missing credential is a 502 naming the setting (the
+    client did nothing wrong, so not the engine's 401)."""
+    with SimulatedEngine(SimConfig(model=SERVED, api_key="engine-secret", decode_s_per_token=0.002)) as eng:
+        good = coordinator_factory(render_sidecar.url, [], server={"api_keys": ["client-key"]},
+                                   engines=[EngineSettings(url=eng.url, api_key="engine-secret")])
+        auth = {"Authorization": "Bearer client-key"}
+        url = f"{good.url}/v1/chat/completions"
+        assert httpx.post(url, json=chat(), headers=auth, timeout=30).status_code == 200
+        r = httpx.post(url, json=chat(stream=True), headers=auth, timeout=30)
+        assert r.status_code == 200 and "[DONE]" in r.text
+        with httpx.Client(timeout=30) as c, c.stream("POST", url, json=chat(max_tokens=1000, stream=True),
+                                                     headers=auth) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i > 4:
+                    break
+        assert wait_until(lambda: eng.state()["running"] == [] and len(eng.state()["aborted"]) == 1)
+        aborts = good.components.metrics.engine_aborts
+        assert wait_until(lambda: aborts.labels("accepted")._value.get() == 1)  # the abort call got in
+        assert aborts.labels("refused")._value.get() == 0
+        bad = coordinator_factory(render_sidecar.url, [eng.url])
+        r = httpx.post(f"{bad.url}/v1/chat/completions", json=chat(), timeout=30)
+        assert r.status_code == 502 and "engines[].api_key" in r.json()["error"]["message"], r.text
 
 
 def test_compat_mode_ignores_unsupported_fields(render_sidecar: Any, sim: SimulatedEngine,

@@ -290,8 +290,9 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "[discovery] Service llm-engine is not headless"),
     ("an engine StatefulSet nobody discovers", "pd", lambda o: edit_config(o, _drop_decode),
      "[discovery] StatefulSet llm-engine-decode is behind no discovery entry"),
-    ("engine without --tokens-only", "union",
-     lambda o: engine(o)["args"].remove("--tokens-only"), "[discovery] llm-engine: engines must run --tokens-only"),
+    ("engine without the token route", "union",
+     lambda o: engine(o)["args"].remove("--enable-scale-out"),
+     "[discovery] llm-engine: engines must run --enable-scale-out or --tokens-only"),
     ("roles swapped in the config", "pd",
      lambda o: edit_config(o, lambda d: d["discovery"][0].update(role="decode")),
      "[role] llm-engine-prefill.llm.svc.cluster.local has role 'decode'; its StatefulSet llm-engine-prefill "

@@ -43,10 +43,13 @@ def engine_request_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
-def call_headers(request_id: str) -> dict[str, str]:
+def call_headers(request_id: str, engine: Engine | None = None) -> dict[str, str]:
     """Headers of a call to an engine: ``X-Request-Id`` (the engine's id for the request, which abort
-    matches) and, for a traced request, the calling span's ``traceparent`` (vLLM's spans join it)."""
+    matches), the coordinator's bearer token for an engine run with ``--api-key`` (never the client's)
+    and, for a traced request, the calling span's ``traceparent`` (vLLM's spans join it)."""
     headers = {"X-Request-Id": request_id}
+    if engine is not None and engine.api_key:
+        headers["Authorization"] = f"Bearer {engine.api_key}"
     tracing.inject(headers)
     return headers
 
@@ -96,7 +99,7 @@ class EngineClient:
         try:
             with self._lanes.lane() as http:
                 resp = await http.post(f"{engine.url}/inference/v1/generate", json=payload,
-                                       headers=call_headers(request_id), timeout=timeout)
+                                       headers=call_headers(request_id, engine), timeout=timeout)
         except asyncio.CancelledError:
             self.abort_soon(engine, request_id)
             raise
@@ -127,7 +130,7 @@ class EngineClient:
     async def _open(self, http: httpx.AsyncClient, engine: Engine, payload: dict[str, Any],
                     request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         req = http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
-                                 headers=call_headers(request_id))
+                                 headers=call_headers(request_id, engine))
         try:
             resp = await http.send(req, stream=True)
         except httpx.HTTPError as exc:
@@ -238,7 +241,8 @@ class EngineClient:
         """True when the engine accepted the abort (HTTP 200); False when it refused or was unreachable."""
         try:
             resp = await self.http.post(f"{engine.url}/inference/v1/abort_requests",
-                                        json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0)
+                                        json={"request_ids": [engine_request_id(request_id)]}, timeout=5.0,
+                                        headers=call_headers(request_id, engine))
         except httpx.HTTPError as exc:
             log.warning("abort of %s on %s failed: %s", request_id, engine.url, exc.__class__.__name__)
             accepted = False
@@ -261,6 +265,15 @@ def _json_or_none(content: bytes) -> Any:
         return None
 
 
+def credential_refused(engine: Engine, status: int, data: Any) -> None:
+    """vLLM's ``--api-key`` answers a bare ``{"error": "Unauthorized"}`` 401: the coordinator's
+    credential for this engine is missing or wrong, and the client is not at fault (a 502 saying so,
+    not the engine's 401 passed on as if the client's key were bad)."""
+    if status == 401 and not (isinstance(data, dict) and isinstance(data.get("error"), dict)):
+        raise UpstreamUnavailable(f"engine {engine.url} refused the coordinator's credential (HTTP 401): "
+                                  "set engines[].api_key to the engine's --api-key")
+
+
 def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
     if status == 200:
         return
@@ -269,6 +282,7 @@ def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
         # A plain `vllm serve` (no --enable-scale-out) refuses the token route with this 403: the
         # engine is healthy, the route is missing, not the client's fault.
         raise TokenRouteMissing(f"engine {engine.url} has the scale-out routes disabled (HTTP 403)")
+    credential_refused(engine, status, data)
     if status in BUSY_STATUSES:
         raise EngineBusy(status, data, f"engine {engine.url} is busy (HTTP {status})")
     if 400 <= status < 500 and status != 404:

@@ -60,7 +60,7 @@ class NativeClient:
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
             resp = await self._http.post(f"{engine.url}{PATHS[kind]}", json={**body, "stream": False},
-                                         headers=call_headers(request_id), timeout=timeout)
+                                         headers=call_headers(request_id, engine), timeout=timeout)
         except httpx.HTTPError as exc:
             raise _send_failed(engine, exc) from exc
         data = _json_or_none(resp.content)
@@ -76,7 +76,7 @@ class NativeClient:
 
         Leaving the context closes the response: vLLM aborts the request when its client goes."""
         req = self._http.build_request("POST", f"{engine.url}{PATHS[kind]}", json={**body, "stream": True},
-                                       headers=call_headers(request_id))
+                                       headers=call_headers(request_id, engine))
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.HTTPError as exc:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
+from pydantic import SecretStr
 
 from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
@@ -61,6 +62,7 @@ class Engine:
     pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
     structured_outputs: bool | None = None  # configured: compiles grammars; None = as learned
     tokenizer: bool | None = None    # learned (capabilities.py); None = not known yet
+    api_key: str | None = None       # the coordinator's bearer token for an engine run with --api-key
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
@@ -108,6 +110,10 @@ class Engine:
         return self.healthy and self.breaker.available()
 
 
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()
 
 
 class EngineRegistry:
@@ -234,7 +240,8 @@ class EngineRegistry:
                                 kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
                                 drain_requested=s.drain, native_api=s.native_api,
                                 max_model_len=s.max_model_len, pd_protocol=s.pd_protocol,
-                                structured_outputs=s.structured_outputs)
+                                structured_outputs=s.structured_outputs,
+                                api_key=_secret(s.api_key))
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -250,6 +257,7 @@ class EngineRegistry:
             engine.max_model_len = s.max_model_len
             engine.pd_protocol = s.pd_protocol
             engine.structured_outputs = s.structured_outputs
+            engine.api_key = _secret(s.api_key)
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain
