@@ -192,9 +192,10 @@ class EngineSettings(_Section):
         "routes); the coordinator's own credential, never a client's key. Keep it in a Secret "
         "(docs/engine-capabilities.md)",
     )
-    structured_outputs: bool | None = Field(
-        default=None, description="the engine compiles grammars (structured outputs, forced tool calls): "
-        "true for `--enable-scale-out` engines, false for `--tokens-only` ones (no tokenizer); null = "
+    tokenizer: bool | None = Field(
+        default=None, description="the engine loads a tokenizer, so it runs grammars (structured outputs, "
+        "forced tool calls) and bad_words: true for `--enable-scale-out` engines, false for "
+        "`--tokens-only` ones; null = "
         "learn it from the engine (`POST /tokenize` at start-up and whenever it comes back; "
         "docs/engine-capabilities.md)",
     )
@@ -220,9 +221,9 @@ class DiscoverySettings(_Section):
     api_key: SecretStr | None = Field(
         default=None, description="bearer token of these engines (see engines[].api_key)"
     )
-    structured_outputs: bool | None = Field(
-        default=None, description="whether these engines compile grammars (see "
-        "engines[].structured_outputs); null = learn it from each engine"
+    tokenizer: bool | None = Field(
+        default=None, description="whether these engines load a tokenizer (see engines[].tokenizer); "
+        "null = learn it from each engine"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"

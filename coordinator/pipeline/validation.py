@@ -35,7 +35,10 @@ _COMMON = frozenset({
     "add_special_tokens", "priority", "cache_salt", "request_id", "allowed_token_ids", "return_token_ids",
     # Grammars: render builds them, an engine with a tokenizer runs them (engines/capabilities.py).
     "response_format", "structured_outputs",
-    # Not ``bad_words``: a token-only engine cannot tokenize the words and silently ignores them.
+    # The engine turns bad words into ids with its tokenizer: only engines that load one take them.
+    "bad_words",
+    # Render truncates the prompt ids it returns (vLLM's renderer, with its tokenizer).
+    "truncate_prompt_tokens", "truncation_side",
 })
 CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
@@ -168,8 +171,21 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "allowed_token_ids": _id_list("allowed_token_ids"),
     "logit_bias": _logit_bias,
     "user": lambda v: _string("user", v),
+    "bad_words": lambda v: _strings("bad_words", v),
+    "truncate_prompt_tokens": _num("truncate_prompt_tokens", -1, INT64_MAX, integer=True),
+    "truncation_side": lambda v: _one_of("truncation_side", v, ("left", "right")),
     "cache_salt": lambda v: _string("cache_salt", v),
 }
+
+
+def _strings(name: str, v: Any) -> None:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise BadRequest(f"'{name}' must be a list of non-empty strings", param=name)
+
+
+def _one_of(name: str, v: Any, allowed: tuple[str, ...]) -> None:
+    if v not in allowed:
+        raise BadRequest(f"'{name}' must be one of {', '.join(map(repr, allowed))}", param=name)
 
 
 def _string(name: str, v: Any) -> None:

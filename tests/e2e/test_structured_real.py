@@ -244,7 +244,7 @@ def test_an_engine_marked_capable_by_mistake_answers_its_refusal_before_any_byte
     """Real vLLM ``--tokens-only`` refuses a grammar as the first event of a 200 stream; the client
     gets HTTP 400 and the OpenAI error body, as native answers."""
     coord = coordinator_factory(vllm_stack.render_url, [],
-                                engines=[EngineSettings(url=vllm_stack.engine.url, structured_outputs=True)])
+                                engines=[EngineSettings(url=vllm_stack.engine.url, tokenizer=True)])
     r = post(coord.url, "/v1/chat/completions", chat(stream=True, **FORMS["choice"]))
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
     assert "requires a tokenizer" in r.json()["error"]["message"]
@@ -288,3 +288,49 @@ def test_messages_and_responses_name_their_own_field_when_no_engine_can(
     r = post(coord.url, "/v1/responses", {"model": SERVED, "input": ASK, "max_output_tokens": 8, "text": {
         "format": {"type": "json_schema", "name": "p", "schema": PERSON}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text  # the Responses field
+
+
+# -- the rest of the surface that needs render's or the engine's tokenizer -----------------------
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_words_equal_native_and_run_only_where_a_tokenizer_is(
+        vllm_stack: VllmStack, coord: CoordinatorServer, stream: bool) -> None:
+    """The engine turns the words into ids with its tokenizer; a token-only engine would silently
+    ignore them, so they go to the scale-out engine only."""
+    plain = answer(post(vllm_stack.native.url, "/v1/chat/completions",
+                        {"model": SERVED, "messages": CAPITAL, "temperature": 0, "max_tokens": 16}), False)
+    assert "Paris" in plain[0][0]  # the word the test bans is in the unconstrained answer
+    body = {"model": SERVED, "messages": CAPITAL, "temperature": 0, "max_tokens": 16, "bad_words": ["Paris"]}
+    before = decisions(coord)
+    ours = answer(post(coord.url, "/v1/chat/completions", {**body, "stream": stream}), stream)
+    native = answer(post(vllm_stack.native.url, "/v1/chat/completions", body), False)
+    assert ours[0] == native[0] and "Paris" not in ours[0][0], (ours, native)
+    after = decisions(coord)
+    assert after.get(vllm_stack.native.url, 0) == before.get(vllm_stack.native.url, 0) + 1
+
+
+def test_bad_words_on_a_token_only_fleet_are_a_400(vllm_stack: VllmStack,
+                                                     coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(vllm_stack.render_url, [vllm_stack.engine.url])
+    r = post(coord.url, "/v1/completions", {"model": SERVED, "prompt": "The capital of France is",
+                                            "max_tokens": 4, "bad_words": ["Paris"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_truncate_prompt_tokens_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer,
+                                              side: str | None) -> None:
+    """Render truncates with its tokenizer; the prompt the engine sees, the answer and the usage are
+    native's (any engine may run it)."""
+    long = " ".join(f"Note {i}: the archive keeps record {i * 37 % 100}." for i in range(30))
+    extra = {"truncation_side": side} if side else {}
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}),
+                       ("/v1/completions", {"prompt": long})):
+        full = {"model": SERVED, "temperature": 0, "max_tokens": 8, "truncate_prompt_tokens": 40, **extra, **body}
+        ours, native = post(coord.url, path, full), post(vllm_stack.native.url, path, full)
+        assert ours.status_code == native.status_code == 200, (ours.text, native.text)
+        kind = "chat" if "messages" in body else "completion"
+        assert answer(ours, False, kind)[0] == answer(native, False, kind)[0]
+        assert ours.json()["usage"]["prompt_tokens"] == native.json()["usage"]["prompt_tokens"] == 40

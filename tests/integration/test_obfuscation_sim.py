@@ -131,7 +131,7 @@ def test_a_grammar_with_obfuscation_on_is_a_400_even_on_an_engine_said_to_run_gr
     key.write_bytes(KEY)
     _plain, permuted = engines
     on = coordinator_factory(render_sidecar.url, [],
-                             engines=[EngineSettings(url=permuted.url, structured_outputs=True)],
+                             engines=[EngineSettings(url=permuted.url, tokenizer=True)],
                              models=[ModelSettings(name=SERVED, aliases=["gpt-4o-mini"], path=str(model_dir))],
                              obfuscation={"enabled": True, "key_file": str(key)})
     calls = permuted.state()["generate_calls"]

@@ -76,12 +76,12 @@ def test_completions_and_forced_tool_calls_are_refused_alike(
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_engine_refusal_after_its_200_reaches_the_client_as_a_400_before_any_byte(
         render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: CoordinatorFactory, stream: bool) -> None:
-    """An operator who marks a token-only engine ``structured_outputs: true`` gets vLLM's own refusal.
+    """An operator who marks a token-only engine ``tokenizer: true`` gets vLLM's own refusal.
     Streamed, vLLM sends it as the first SSE event of a 200; the client must get what ``vllm serve``
     answers: HTTP 400 with the OpenAI error body, no 200, no event stream, and the engine is not
     blamed (a client error, not a failure: no retry elsewhere, the breaker untouched)."""
     coord: CoordinatorServer = coordinator_factory(
-        render_sidecar.url, [], engines=[EngineSettings(url=sim.url, structured_outputs=True)])
+        render_sidecar.url, [], engines=[EngineSettings(url=sim.url, tokenizer=True)])
     r = httpx.post(f"{coord.url}/v1/chat/completions", timeout=30,
                    json=chat(stream=stream, response_format={"type": "json_object"}))
     assert r.status_code == 400, r.text
@@ -112,3 +112,14 @@ def test_an_engine_error_event_before_any_output_is_retried_on_another_engine(
             r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(stream=True), timeout=30)
             assert r.status_code == 200 and "[DONE]" in r.text
         assert coord.wait_idle() == 0
+
+
+def test_bad_words_where_no_engine_loads_a_tokenizer_are_a_400_not_silently_ignored(
+        render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: CoordinatorFactory) -> None:
+    """A token-only engine would drop them without a word (it cannot tokenize them)."""
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    before = sim.state()["generate_calls"]
+    r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat(bad_words=["Paris"]), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+    assert "tokenizer" in r.json()["error"]["message"]
+    assert sim.state()["generate_calls"] == before

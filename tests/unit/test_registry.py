@@ -534,7 +534,7 @@ async def test_telemetry_off_scrapes_nothing(make: Callable[..., EngineRegistry]
     assert fleet.paths == ["/health", "/tokenize"]  # health and, once, what it can run; no /metrics
 
 
-async def test_structured_outputs_are_learned_from_the_engines_tokenizer(
+async def test_the_engines_tokenizer_is_learned_from_its_tokenize_route(
         make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
     """/tokenize 200: a tokenizer is loaded (`--enable-scale-out`); vLLM's 400 "Tokenizer not
     available": `--tokens-only`; no answer: not known yet, so no, and asked again next round."""
@@ -542,16 +542,16 @@ async def test_structured_outputs_are_learned_from_the_engines_tokenizer(
     fleet.slow.add(C)
     reg = make(settings(EngineSettings(url=A), EngineSettings(url=B), EngineSettings(url=C)))
     a, b, c = reg.engines
-    assert not any(e.can("structured_outputs") for e in (a, b, c))  # before the first round
+    assert not any(e.can("tokenizer") for e in (a, b, c))  # before the first round
     await reg.probe_once()
-    assert (a.can("structured_outputs"), b.can("structured_outputs"), c.can("structured_outputs")) == (
+    assert (a.can("tokenizer"), b.can("tokenizer"), c.can("tokenizer")) == (
         True, False, False)
-    assert c.tokenizer is None
+    assert c.learned_tokenizer is None
     fleet.slow.discard(C)
     fleet.tokenize[C] = 200
     fleet.paths.clear()
     await reg.probe_once()
-    assert c.can("structured_outputs")
+    assert c.can("tokenizer")
     assert fleet.paths.count("/tokenize") == 1  # only the engine that had not answered yet
 
 
@@ -563,28 +563,28 @@ async def test_capabilities_are_asked_again_when_an_engine_comes_back(
     reg = make(settings(EngineSettings(url=A)))
     (a,) = reg.engines
     await reg.probe_once()
-    assert a.can("structured_outputs")
+    assert a.can("tokenizer")
     fleet.down.add(A)
     await reg.probe_once()
-    assert a.tokenizer is None and not a.can("structured_outputs")
+    assert a.learned_tokenizer is None and not a.can("tokenizer")
     fleet.down.discard(A)
     fleet.tokenize[A] = 400  # back as --tokens-only
     await reg.probe_once()
-    assert a.healthy and not a.can("structured_outputs")
+    assert a.healthy and not a.can("tokenizer")
 
 
-async def test_configured_structured_outputs_win_and_skip_the_probe(
+async def test_a_configured_tokenizer_wins_and_skips_the_probe(
         make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
     fleet.tokenize = {A: 400, B: 200}
-    reg = make(settings(EngineSettings(url=A, structured_outputs=True),
-                        EngineSettings(url=B, structured_outputs=False)))
+    reg = make(settings(EngineSettings(url=A, tokenizer=True),
+                        EngineSettings(url=B, tokenizer=False)))
     a, b = reg.engines
     await reg.probe_once()
-    assert a.can("structured_outputs") and not b.can("structured_outputs")
+    assert a.can("tokenizer") and not b.can("tokenizer")
     assert "/tokenize" not in fleet.paths
-    reg.update([EngineSettings(url=A, structured_outputs=False), EngineSettings(url=B)])
+    reg.update([EngineSettings(url=A, tokenizer=False), EngineSettings(url=B)])
     await reg.probe_once()
-    assert not a.can("structured_outputs") and b.can("structured_outputs")  # B's now learned
+    assert not a.can("tokenizer") and b.can("tokenizer")  # B's now learned
 
 
 @pytest.fixture(scope="module")

@@ -355,13 +355,13 @@ def test_deferred_learning_places_the_kv_affinity_workload_exactly_as_learning_a
 
 
 # -- capabilities: a grammar needs an engine with a tokenizer -------------------------------------
-GRAMMAR = frozenset({"structured_outputs"})
+GRAMMAR = frozenset({"tokenizer"})
 
 
 def test_a_constrained_request_only_lands_on_engines_that_can_run_its_grammar() -> None:
-    engines = [{"url": "http://e0:8000", "structured_outputs": False},
-               {"url": "http://e1:8000", "structured_outputs": True},
-               {"url": "http://e2:8000", "structured_outputs": False}]
+    engines = [{"url": "http://e0:8000", "tokenizer": False},
+               {"url": "http://e1:8000", "tokenizer": True},
+               {"url": "http://e2:8000", "tokenizer": False}]
     sched, _reg, index, _ = make(engines, learn=False)
     index.add("http://e0:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))  # affinity pulls to e0
     for _ in range(4):
@@ -375,7 +375,7 @@ def test_a_constrained_request_only_lands_on_engines_that_can_run_its_grammar() 
 def test_no_capable_engine_is_not_a_wait() -> None:
     """Capability is checked on the eligible set: an empty result is 'no engine can', never 'wait for
     room' (admission would hold the request until its timeout)."""
-    sched, _reg, _index, _ = make(urls(2, structured_outputs=False))
+    sched, _reg, _index, _ = make(urls(2, tokenizer=False))
     assert not sched.capable(MODEL, GRAMMAR)
     with pytest.raises(NoHealthyEngine):
         sched.place(req(PROMPT, needs=GRAMMAR))
@@ -383,8 +383,8 @@ def test_no_capable_engine_is_not_a_wait() -> None:
 
 
 def test_a_capable_engine_that_is_down_means_503_not_a_client_error() -> None:
-    sched, reg, _index, _ = make([{"url": "http://e0:8000", "structured_outputs": True},
-                                  {"url": "http://e1:8000", "structured_outputs": False}])
+    sched, reg, _index, _ = make([{"url": "http://e0:8000", "tokenizer": True},
+                                  {"url": "http://e1:8000", "tokenizer": False}])
     reg.engines[0].probe_ok = False
     reg.engines[1].probe_ok = True
     assert sched.capable(MODEL, GRAMMAR)  # exists: the request is fine, the fleet is not
@@ -393,9 +393,9 @@ def test_a_capable_engine_that_is_down_means_503_not_a_client_error() -> None:
 
 
 def test_pd_with_grammar_capable_decode_engines_hands_off_to_a_capable_prefill_engine() -> None:
-    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
-               {"url": "http://p1:8000", "role": "prefill", "structured_outputs": True},
-               {"url": "http://d0:8000", "role": "decode", "structured_outputs": True}]
+    engines = [{"url": "http://p0:8000", "role": "prefill", "tokenizer": False},
+               {"url": "http://p1:8000", "role": "prefill", "tokenizer": True},
+               {"url": "http://d0:8000", "role": "decode", "tokenizer": True}]
     sched, _reg, _index, _ = make(engines, pd_min=0)
     for _ in range(3):
         placement = sched.place(req(PROMPT, needs=GRAMMAR))
@@ -404,8 +404,8 @@ def test_pd_with_grammar_capable_decode_engines_hands_off_to_a_capable_prefill_e
 
 
 def test_pd_without_a_capable_prefill_engine_prefills_on_the_decode_engine() -> None:
-    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
-               {"url": "http://d0:8000", "role": "decode", "structured_outputs": True}]
+    engines = [{"url": "http://p0:8000", "role": "prefill", "tokenizer": False},
+               {"url": "http://d0:8000", "role": "decode", "tokenizer": True}]
     sched, _reg, _index, metrics = make(engines, pd_min=0)
     placement = sched.place(req(PROMPT, needs=GRAMMAR))
     assert placement is not None and placement.prefill is None and placement.engine.url == "http://d0:8000"
@@ -413,13 +413,13 @@ def test_pd_without_a_capable_prefill_engine_prefills_on_the_decode_engine() -> 
 
 
 def test_pd_whose_decode_engines_cannot_run_a_grammar_sends_it_to_a_capable_union_engine() -> None:
-    engines = [{"url": "http://p0:8000", "role": "prefill", "structured_outputs": False},
-               {"url": "http://d0:8000", "role": "decode", "structured_outputs": False},
-               {"url": "http://u0:8000", "role": "union", "structured_outputs": True}]
+    engines = [{"url": "http://p0:8000", "role": "prefill", "tokenizer": False},
+               {"url": "http://d0:8000", "role": "decode", "tokenizer": False},
+               {"url": "http://u0:8000", "role": "union", "tokenizer": True}]
     sched, _reg, _index, _ = make(engines, pd_min=0)
     placement = sched.place(req(PROMPT, needs=GRAMMAR))
     assert placement is not None and placement.prefill is None and placement.engine.url == "http://u0:8000"
     plain = sched.place(req(PROMPT))
     assert plain is not None and plain.prefill is not None  # unconstrained requests keep their P/D pair
-    only_prefill = make([engines[0] | {"structured_outputs": True}, engines[1]])[0]
+    only_prefill = make([engines[0] | {"tokenizer": True}, engines[1]])[0]
     assert not only_prefill.capable(MODEL, GRAMMAR)  # a prefill engine alone never writes the output

@@ -36,6 +36,11 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"pattern": "a+"}}, "structured_outputs.pattern"),
     ({"structured_outputs": "json"}, "structured_outputs"),
+    ({"bad_words": "Paris"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "10"}, "truncate_prompt_tokens"),
+    ({"truncation_side": "middle"}, "truncation_side"),
     ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
@@ -57,9 +62,13 @@ def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
     {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
     {"structured_outputs": {"json": {"type": "integer"}}},
     {"structured_outputs": {"json_object": True}},
+    {"bad_words": ["Paris", "London"]},
+    {"truncate_prompt_tokens": 40, "truncation_side": "left"},
+    {"truncate_prompt_tokens": -1},
 ])
-def test_structured_output_requests_pass_validation_unchanged(kind: str, patch: dict) -> None:
-    """Render builds the grammar and an engine with a tokenizer runs it: the fields go on as sent."""
+def test_grammar_bad_words_and_truncation_pass_validation_unchanged(kind: str, patch: dict) -> None:
+    """Render builds grammars and truncates; an engine with a tokenizer runs grammars and bad words:
+    the fields go on as sent."""
     body = CHAT if kind == "chat" else {"model": "m", "prompt": "hi"}
     out = validate_request(kind, {**body, **patch}, strict=True)  # type: ignore[arg-type]
     assert {k: out[k] for k in patch} == patch

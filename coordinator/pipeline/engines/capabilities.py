@@ -7,8 +7,8 @@ same ``/inference/v1/generate`` and compiles grammars. Operators mix both (token
 lighter and start faster), and a flag in the coordinator's config would drift from the engines' own
 command lines, so the coordinator asks each engine: ``POST /tokenize`` answers 200 only where a
 tokenizer is loaded, and 400 "Tokenizer not available when `skip_tokenizer_init=True`" on a token-only
-engine (vLLM 0.32, ``entrypoints/serve/tokenize``). ``engines[].structured_outputs`` overrides what
-was learned (docs/engine-capabilities.md).
+engine (vLLM 0.32, ``entrypoints/serve/tokenize``). ``engines[].tokenizer`` overrides what was
+learned (docs/engine-capabilities.md).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-Capability = Literal["structured_outputs", "native_api"]
-"""``structured_outputs``: a tokenizer is loaded, so grammars compile (``response_format`` json modes,
-``structured_outputs``, ``tool_choice`` required / named, ``parallel_tool_calls: false``).
-``native_api``: the engine's own OpenAI API may take requests (the native route)."""
+Capability = Literal["tokenizer", "native_api"]
+"""``tokenizer``: one is loaded, so grammars compile (``response_format`` json modes,
+``structured_outputs``, ``tool_choice`` required / named, ``parallel_tool_calls: false``) and
+``bad_words`` apply. ``native_api``: the engine's own OpenAI API may take requests (the native route)."""
 
-STRUCTURED_OUTPUTS: Capability = "structured_outputs"
+TOKENIZER: Capability = "tokenizer"
 NATIVE_API: Capability = "native_api"
 NO_NEEDS: frozenset[Capability] = frozenset()
 
@@ -46,13 +46,18 @@ async def probe_tokenizer(http: httpx.AsyncClient, url: str, timeout_s: float) -
     return None
 
 
+def has_grammar(sampling_params: object) -> bool:
+    """Render puts every constraint it derived (``response_format``, ``structured_outputs``, forced
+    tool calls) into ``sampling_params.structured_outputs``, so this one key says it all."""
+    return isinstance(sampling_params, dict) and sampling_params.get("structured_outputs") is not None
+
+
 def needs_of(sampling_params: object) -> frozenset[Capability]:
-    """What an engine must be able to do to run a GenerateRequest's ``sampling_params``. Render puts
-    every constraint it derived (``response_format``, ``structured_outputs``, forced tool calls)
-    into ``structured_outputs``, so this one key says it all."""
-    if isinstance(sampling_params, dict) and sampling_params.get("structured_outputs") is not None:
-        return frozenset({STRUCTURED_OUTPUTS})
+    """What an engine must be able to do to run a GenerateRequest's ``sampling_params``."""
+    words = isinstance(sampling_params, dict) and bool(sampling_params.get("bad_words"))
+    if words or has_grammar(sampling_params):
+        return frozenset({TOKENIZER})
     return NO_NEEDS
 
 
-__all__ = ["NATIVE_API", "NO_NEEDS", "STRUCTURED_OUTPUTS", "Capability", "needs_of", "probe_tokenizer"]
+__all__ = ["NATIVE_API", "NO_NEEDS", "TOKENIZER", "Capability", "has_grammar", "needs_of", "probe_tokenizer"]

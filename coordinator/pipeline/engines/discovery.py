@@ -71,7 +71,7 @@ class DnsDiscovery:
                 role=s.role,
                 model=s.model,
                 pd_protocol=s.pd_protocol,
-                structured_outputs=s.structured_outputs,
+                tokenizer=s.tokenizer,
                 api_key=s.api_key,
                 kv_events=f"tcp://{host}:{s.kv_events_port}" if s.kv_events_port is not None else None,
                 kv_events_replay=(f"tcp://{host}:{s.kv_events_replay_port}"

@@ -24,7 +24,7 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
 from coordinator.pipeline.engines.capabilities import (
     NATIVE_API,
-    STRUCTURED_OUTPUTS,
+    TOKENIZER,
     Capability,
     probe_tokenizer,
 )
@@ -60,8 +60,8 @@ class Engine:
     native_api: bool = False         # also serves the OpenAI API (the native route may use it)
     max_model_len: int | None = None  # configured when shorter than the model's
     pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
-    structured_outputs: bool | None = None  # configured: compiles grammars; None = as learned
-    tokenizer: bool | None = None    # learned (capabilities.py); None = not known yet
+    tokenizer: bool | None = None    # configured: loads a tokenizer (grammars, bad_words); None = as learned
+    learned_tokenizer: bool | None = None  # asked of the engine (capabilities.py); None = not known yet
     api_key: str | None = None       # the coordinator's bearer token for an engine run with --api-key
     inflight_requests: int = 0
     inflight_tokens: int = 0
@@ -80,8 +80,8 @@ class Engine:
         counts as no: a constrained request must never reach an engine that would drop or refuse it."""
         if capability == NATIVE_API:
             return self.native_api
-        if capability == STRUCTURED_OUTPUTS:
-            return self.structured_outputs if self.structured_outputs is not None else self.tokenizer is True
+        if capability == TOKENIZER:
+            return self.tokenizer if self.tokenizer is not None else self.learned_tokenizer is True
         return False
 
     def can_all(self, needs: frozenset[Capability]) -> bool:
@@ -240,7 +240,7 @@ class EngineRegistry:
                                 kv_events=s.kv_events, kv_events_replay=s.kv_events_replay,
                                 drain_requested=s.drain, native_api=s.native_api,
                                 max_model_len=s.max_model_len, pd_protocol=s.pd_protocol,
-                                structured_outputs=s.structured_outputs,
+                                tokenizer=s.tokenizer,
                                 api_key=_secret(s.api_key))
                 self._by_url[url] = engine
                 self.engines.append(engine)
@@ -249,20 +249,20 @@ class EngineRegistry:
                 self._notify("added", engine)
                 continue
             before = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                      engine.removed, engine.drain_requested, engine.native_api, engine.structured_outputs)
+                      engine.removed, engine.drain_requested, engine.native_api, engine.tokenizer)
             engine.role, engine.model, engine.weight = s.role, s.model, s.weight
             engine.token_budget, engine.kv_events = self._budget(s), s.kv_events
             engine.kv_events_replay = s.kv_events_replay
             engine.native_api = s.native_api
             engine.max_model_len = s.max_model_len
             engine.pd_protocol = s.pd_protocol
-            engine.structured_outputs = s.structured_outputs
+            engine.tokenizer = s.tokenizer
             engine.api_key = _secret(s.api_key)
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain
             after = (engine.role, engine.model, engine.weight, engine.token_budget, engine.kv_events,
-                     engine.removed, engine.drain_requested, engine.native_api, engine.structured_outputs)
+                     engine.removed, engine.drain_requested, engine.native_api, engine.tokenizer)
             if after != before:
                 log.info("engine %s updated", url)
                 self._sync(engine, force=True)
@@ -450,8 +450,8 @@ class EngineRegistry:
                 engine.probe_ok = ok
                 engine.probe_timeouts = 0
             if ok is False:
-                engine.tokenizer = None  # it may come back started with other flags: ask again then
-            elif ok and engine.tokenizer is None and engine.structured_outputs is None:
+                engine.learned_tokenizer = None  # it may come back started with other flags: ask again then
+            elif ok and engine.learned_tokenizer is None and engine.tokenizer is None:
                 await self._learn_capabilities(engine)
 
         async def telemetry() -> None:
@@ -470,9 +470,9 @@ class EngineRegistry:
             return
         # No listener to tell: a request never waits for a capability (the scheduler refuses at once
         # when no engine has it), and the first round runs before the coordinator serves.
-        engine.tokenizer = found
-        log.info("engine %s %s structured outputs (%s)", engine.url, "runs" if found else "cannot run",
-                 "tokenizer loaded" if found else "no tokenizer")
+        engine.learned_tokenizer = found
+        log.info("engine %s %s (%s)", engine.url, "loads a tokenizer" if found else "loads no tokenizer",
+                 "structured outputs and bad_words can run there" if found else "--tokens-only")
 
     async def discover_once(self) -> None:
         """One discovery round over every configured Service (no-op without any)."""

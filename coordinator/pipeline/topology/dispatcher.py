@@ -17,7 +17,7 @@ from coordinator.config import TopologySettings
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.engines.capabilities import STRUCTURED_OUTPUTS, Capability, needs_of
+from coordinator.pipeline.engines.capabilities import TOKENIZER, Capability, has_grammar, needs_of
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.scheduling.request import SchedRequest
@@ -83,23 +83,24 @@ class Dispatcher:
                             block_hashes=hashes, needs=needs_of(sp))
 
     def check_capable(self, ctx: RequestContext) -> None:
-        """Before admission: a request only an engine with a capability can run (a grammar needs
-        the engine's tokenizer) is a client error when no engine of its model has it, or when token
+        """Before admission: a request only an engine with a tokenizer can run (a grammar, bad_words)
+        is a client error when no engine of its model loads one, or, for a grammar, when token
         obfuscation is on (grammars are compiled against the real vocabulary, engines see permuted
         ids). Never a silent drop of the constraint, never a 5xx."""
-        needs: frozenset[Capability] = frozenset().union(
-            *(needs_of(p.generate.get("sampling_params")) for p in ctx.prompts))
-        if STRUCTURED_OUTPUTS not in needs:
+        params = [p.generate.get("sampling_params") for p in ctx.prompts]
+        needs: frozenset[Capability] = frozenset().union(*(needs_of(sp) for sp in params))
+        if TOKENIZER not in needs:
             return
-        field = constraint_field(ctx.body)
-        if self._client.obfuscator is not None:
+        grammar = any(has_grammar(sp) for sp in params)
+        field = constraint_field(ctx.body) if grammar else "bad_words"
+        what = "structured outputs" if grammar else "the engine's tokenizer"
+        if grammar and self._client.obfuscator is not None:
             raise BadRequest(f"'{field}' needs structured outputs, which this server cannot run with "
                              "token obfuscation on: grammars are built for the real vocabulary and the "
                              "engines see permuted token ids", param=field)
         if not self._attempts.capable(ctx.model, needs):
-            raise BadRequest(f"'{field}' needs structured outputs, which no engine serving model "
-                             f"{ctx.model!r} can run: its engines load no tokenizer (--tokens-only)",
-                             param=field)
+            raise BadRequest(f"'{field}' needs {what}, which no engine serving model {ctx.model!r} can "
+                             "provide: its engines load no tokenizer (--tokens-only)", param=field)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.engines.capabilities import STRUCTURED_OUTPUTS
+from coordinator.pipeline.engines.capabilities import has_grammar
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.scheduling.request import SchedRequest
@@ -172,7 +172,7 @@ class EngineStream:
             why = f"resilience.max_relays ({r.max_relays}) reached"
         elif not self._single and (self.handed_tokens or self._ctx.visible):
             why = "multi-prompt and n>1 streams are retried only before their first visible chunk"
-        elif self.handed_tokens and STRUCTURED_OUTPUTS in self._req.needs:
+        elif self.handed_tokens and has_grammar(self._plan.generate.get("sampling_params")):
             # vLLM's grammar matcher starts from the first output token: a replay whose prompt ends
             # with the ledger would start the document again mid-way (docs/engine-capabilities.md).
             why = "a grammar-constrained stream cannot resume mid-document on another engine"
