@@ -134,6 +134,36 @@ def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) 
             e.stop()
 
 
+@dataclass
+class ToolStack:
+    render: Any   # our render sidecar with the hermes tool parser (forced tool calls need one)
+    native: Any   # --enable-scale-out with the hermes parser: the native reference for tool calls
+
+
+@pytest.fixture(scope="session")
+def tool_stack(model_dir: Path, logs_dir: Path) -> Iterator[ToolStack]:
+    """A hermes render sidecar and a hermes native engine, started once for every tool-call test."""
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.launch import VllmEngine
+
+    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
+                           tool_call_parser="hermes", enable_auto_tool_choice=True,
+                           log_path=logs_dir / "render-tools.log", echo=_echo(), name="render-tools")
+    native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "native-tools.log", echo=_echo(),
+                        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        name="native-tools")
+    try:
+        native.start()
+        render.start()
+        _ready(render)
+        _ready(native)
+        yield ToolStack(render, native)
+    finally:
+        native.stop()
+        render.stop()
+
+
 def make_settings(render_url: str, engine_urls: list[str], **overrides: Any) -> Settings:
     base: dict[str, Any] = {
         "render": {"url": render_url},

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 from pydantic import BaseModel
 
 from tests.compat.conftest import DRIVERS, compat_bin, offline_env, run_tool, tail
-from tests.conftest import MAX_MODEL_LEN, SERVED, VllmStack, make_settings
-from tests.support import CoordinatorServer, free_port
+from tests.conftest import SERVED, ToolStack, VllmStack, make_settings
+from tests.support import CoordinatorServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.compat]
 
@@ -34,23 +32,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tool_render(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
-    from render_sidecar.launch import RenderSidecar
-
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           tool_call_parser="hermes", enable_auto_tool_choice=True,
-                           log_path=logs_dir / "render-compat-structured.log", echo=False)
-    try:
-        render.start()
-        render.wait_ready(timeout=600)
-        yield render
-    finally:
-        render.stop()
-
-
-@pytest.fixture(scope="module")
-def coord(vllm_stack: VllmStack, tool_render: Any) -> Iterator[CoordinatorServer]:
-    url = str(tool_render.url)
+def coord(vllm_stack: VllmStack, tool_stack: ToolStack) -> Iterator[CoordinatorServer]:
+    url = str(tool_stack.render.url)
     settings = make_settings(url, [vllm_stack.engine.url, vllm_stack.native.url],
                              render={"url": url, "parsers": True})
     with CoordinatorServer(settings) as server:

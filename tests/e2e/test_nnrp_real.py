@@ -12,16 +12,14 @@ import asyncio
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from coordinator.nnrp.client import NnrpClient
-from tests.conftest import MAX_MODEL_LEN, SERVED, CoordinatorFactory, VllmStack
-from tests.support import CoordinatorServer, free_port, wait_until
+from tests.conftest import CoordinatorFactory, ToolStack, VllmStack
+from tests.support import CoordinatorServer, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -30,18 +28,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def tool_render(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
-    from render_sidecar.launch import RenderSidecar
-
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           tool_call_parser="hermes", enable_auto_tool_choice=True,
-                           log_path=logs_dir / "render-nnrp-tools.log", echo=False)
-    try:
-        render.start()
-        render.wait_ready(timeout=600)
-        yield render
-    finally:
-        render.stop()
+def tool_render(tool_stack: ToolStack) -> Any:
+    return tool_stack.render
 
 
 def ws_url(coord: CoordinatorServer) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.config import EngineSettings
-from tests.conftest import MAX_MODEL_LEN, SERVED, CoordinatorFactory, VllmStack
-from tests.support import CoordinatorServer, free_port, sse_events, streamed_text
+from tests.conftest import SERVED, CoordinatorFactory, ToolStack, VllmStack
+from tests.support import CoordinatorServer, sse_events, streamed_text
 
 pytestmark = pytest.mark.e2e
 
@@ -170,21 +168,6 @@ def tool_chat(**extra: Any) -> dict[str, Any]:
             "temperature": 0, "max_tokens": 60, "tools": [WEATHER, TIME], **extra}
 
 
-@pytest.fixture(scope="module")
-def tool_render(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
-    from render_sidecar.launch import RenderSidecar
-
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           tool_call_parser="hermes", enable_auto_tool_choice=True,
-                           log_path=logs_dir / "render-structured-tools.log", echo=False)
-    try:
-        render.start()
-        render.wait_ready(timeout=600)
-        yield render
-    finally:
-        render.stop()
-
-
 def tool_calls(resp: httpx.Response, stream: bool) -> tuple[list[dict[str, str]], str | None]:
     """(name, arguments) of every tool call and the finish reason, from JSON or joined SSE deltas."""
     assert resp.status_code == 200, resp.text
@@ -208,25 +191,26 @@ def tool_calls(resp: httpx.Response, stream: bool) -> tuple[list[dict[str, str]]
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_forced_tool_calls_run_through_the_coordinator(
-        vllm_stack: VllmStack, tool_render: Any, coordinator_factory: CoordinatorFactory, choice: str,
+def test_forced_tool_calls_equal_native(
+        vllm_stack: VllmStack, tool_stack: ToolStack, coordinator_factory: CoordinatorFactory, choice: str,
         stream: bool) -> None:
     """What an agent framework sends for a required tool or an output type: ``tool_choice``
     required or named and ``parallel_tool_calls: false``. Render (hermes) turns it into a grammar,
-    the scale-out engine runs it, and the call parses against the tool's strict schema."""
-    coord = coordinator_factory(str(tool_render.url), [vllm_stack.engine.url, vllm_stack.native.url],
-                                render={"url": str(tool_render.url), "parsers": True})
+    the scale-out engine runs it; the call equals what ``vllm serve --tool-call-parser hermes``
+    answers, and parses against the tool's strict schema."""
+    url = str(tool_stack.render.url)
+    coord = coordinator_factory(url, [vllm_stack.engine.url, vllm_stack.native.url],
+                                render={"url": url, "parsers": True})
     tc: Any = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
-    calls, finish = tool_calls(post(coord.url, "/v1/chat/completions",
-                                    tool_chat(tool_choice=tc, parallel_tool_calls=False, stream=stream)), stream)
-    assert len(calls) == 1, calls  # parallel_tool_calls: false
+    body = tool_chat(tool_choice=tc, parallel_tool_calls=False)
+    calls, finish = tool_calls(post(coord.url, "/v1/chat/completions", {**body, "stream": stream}), stream)
+    native_calls, native_finish = tool_calls(post(str(tool_stack.native.url), "/v1/chat/completions", body), False)
+    assert calls == native_calls and len(calls) == 1, (calls, native_calls)  # parallel_tool_calls: false
     if choice == "named":
         assert calls[0]["name"] == "get_weather"
         args = json.loads(calls[0]["arguments"])
         assert set(args) == {"city"} and isinstance(args["city"], str)
-    else:
-        assert calls[0]["name"] in ("get_weather", "get_time")
-    assert finish == ("tool_calls" if choice == "required" else "stop")  # OpenAI's reasons
+    assert finish == native_finish
     assert coord.wait_idle() == 0
 
 

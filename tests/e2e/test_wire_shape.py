@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import MAX_MODEL_LEN, SERVED, VllmStack, make_settings
-from tests.support import CoordinatorServer, free_port
+from tests.conftest import SERVED, ToolStack, VllmStack, make_settings
+from tests.support import CoordinatorServer
 
 pytestmark = pytest.mark.e2e
 
@@ -212,46 +211,28 @@ TOOL_CHAT: dict[str, Any] = {
 }
 
 
-class ToolStack:
+class ToolCoord:
     def __init__(self, native_url: str, coord_url: str) -> None:
         self.native_url = native_url
         self.coord_url = coord_url
 
 
 @pytest.fixture(scope="module")
-def tools(vllm_stack: VllmStack, model_dir: Path, logs_dir: Path) -> Iterator[ToolStack]:
-    """A hermes-parser render sidecar for the coordinator and a hermes-parser native reference."""
-    from render_sidecar.launch import RenderSidecar
-    from token_engine.launch import VllmEngine
-
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           tool_call_parser="hermes", enable_auto_tool_choice=True,
-                           log_path=logs_dir / "render-tools.log", echo=False)
-    native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
-                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "native-tools.log", echo=False,
-                        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                        name="native-tools")
-    try:
-        native.start()
-        render.start()
-        render.wait_ready(timeout=600)
-        native.wait_ready(timeout=600)
-        settings = make_settings(str(render.url), [vllm_stack.engine.url],
-                                 render={"url": str(render.url), "parsers": True})
-        with CoordinatorServer(settings) as server:
-            yield ToolStack(str(native.url), server.url)
-    finally:
-        native.stop()
-        render.stop()
+def tools(vllm_stack: VllmStack, tool_stack: ToolStack) -> Iterator[ToolCoord]:
+    """The hermes render sidecar for the coordinator and the hermes native reference."""
+    url = str(tool_stack.render.url)
+    settings = make_settings(url, [vllm_stack.engine.url], render={"url": url, "parsers": True})
+    with CoordinatorServer(settings) as server:
+        yield ToolCoord(str(tool_stack.native.url), server.url)
 
 
-def test_tool_call_same_keys_as_native(tools: ToolStack) -> None:
+def test_tool_call_same_keys_as_native(tools: ToolCoord) -> None:
     native = post(tools.native_url + "/v1/chat/completions", TOOL_CHAT)
     assert native["choices"][0]["message"].get("tool_calls"), native  # the prompt still makes a call
     assert_same_shape(tools.native_url, tools.coord_url, "/v1/chat/completions", TOOL_CHAT)
 
 
-def test_tool_call_stream_same_keys_as_native(tools: ToolStack) -> None:
+def test_tool_call_stream_same_keys_as_native(tools: ToolCoord) -> None:
     body = {**TOOL_CHAT, "stream": True}
     native = read_stream(tools.native_url + "/v1/chat/completions", body)
     assert any(c["choices"][0]["delta"].get("tool_calls") for c in native if c["choices"]), native
@@ -297,7 +278,7 @@ def _collapsed(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Shap
     return seq
 
 
-def test_messages_tool_use_same_as_native(tools: ToolStack) -> None:
+def test_messages_tool_use_same_as_native(tools: ToolCoord) -> None:
     native = post(tools.native_url + "/v1/messages", TOOL_MESSAGES)
     assert [b["type"] for b in native["content"]][-1] == "tool_use", native  # the prompt still calls
     ours = post(tools.coord_url + "/v1/messages", TOOL_MESSAGES)
@@ -307,7 +288,7 @@ def test_messages_tool_use_same_as_native(tools: ToolStack) -> None:
     assert ours["stop_reason"] == native["stop_reason"] == "tool_use" and ours["usage"] == native["usage"]
 
 
-def test_messages_tool_use_stream_same_as_native(tools: ToolStack) -> None:
+def test_messages_tool_use_stream_same_as_native(tools: ToolCoord) -> None:
     native = _anthropic_events(tools.native_url + "/v1/messages", TOOL_MESSAGES)
     ours = _anthropic_events(tools.coord_url + "/v1/messages", TOOL_MESSAGES)
     assert _collapsed(ours) == _collapsed(native), f"native:\n{native}\nours:\n{ours}"
@@ -340,7 +321,7 @@ def _without_ids(value: Any) -> Any:
     return value
 
 
-def test_responses_function_call_same_as_native(tools: ToolStack) -> None:
+def test_responses_function_call_same_as_native(tools: ToolCoord) -> None:
     native = post(tools.native_url + "/v1/responses", TOOL_RESPONSES)
     assert [i["type"] for i in native["output"]][-1] == "function_call", native  # the prompt still calls
     ours = post(tools.coord_url + "/v1/responses", TOOL_RESPONSES)
@@ -352,7 +333,7 @@ def test_responses_function_call_same_as_native(tools: ToolStack) -> None:
     assert json.loads(ours["output"][-1]["arguments"]) == {"city": "Berlin"}
 
 
-def test_responses_function_call_stream_same_as_native(tools: ToolStack) -> None:
+def test_responses_function_call_stream_same_as_native(tools: ToolCoord) -> None:
     native = _anthropic_events(tools.native_url + "/v1/responses", TOOL_RESPONSES)
     ours = _anthropic_events(tools.coord_url + "/v1/responses", TOOL_RESPONSES)
     assert _collapsed(ours) == _collapsed(native), f"native:\n{native}\nours:\n{ours}"
