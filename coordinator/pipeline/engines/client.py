@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import msgspec
-from httpx_sse import EventSource, ServerSentEvent
+from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
 from coordinator.observability import tracing
@@ -143,29 +143,19 @@ class EngineClient:
                 _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
                 raise UpstreamUnavailable(f"engine {engine.url} answered HTTP {resp.status_code}")
 
-            events = EventSource(resp).aiter_sse()
-            first = await self._first_event(engine, events)
-            if isinstance(first, PipelineError):
-                finished = True  # an error event ended the engine request: nothing to abort
-                raise first
-            if first is None:
-                finished = True
-
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 nonlocal finished
-                if first is None:  # [DONE] straight away: nothing to hand out
-                    return
-                yield first
+                handed = False
                 try:
-                    async for event in events:
+                    async for event in EventSource(resp).aiter_sse():
                         if event.data == "[DONE]":
                             finished = True
                             return
                         chunk = _decode(event.data)
                         if "error" in chunk:
                             finished = True
-                            err = chunk["error"] if isinstance(chunk["error"], dict) else {}
-                            raise EngineStreamError(f"engine error: {err.get('message', chunk['error'])}")
+                            raise _error_event(engine, chunk["error"], before_output=not handed)
+                        handed = True
                         yield chunk
                 except httpx.TimeoutException as exc:
                     raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
@@ -180,40 +170,6 @@ class EngineClient:
             await resp.aclose()
             if not finished:
                 self.abort_soon(engine, request_id)
-
-    @staticmethod
-    async def _first_event(engine: Engine, events: AsyncIterator[ServerSentEvent]
-                           ) -> dict[str, Any] | PipelineError | None:
-        """The stream's first chunk (None: ``[DONE]``; an error event: the error to raise), read before
-        the stream counts as open.
-
-        vLLM validates a request's sampling parameters (a grammar, ``skip_tokenizer_init``) only when
-        the engine takes it, after the 200: its refusal arrives as the first SSE event, ``{"error":
-        {..., "code": 400}}``. Read here, it becomes the client's own 4xx with nothing sent yet, as
-        ``vllm serve`` answers before any byte; another error event before output is the engine's
-        failure (retried elsewhere), and once output flowed an error event stays an error in the
-        stream (``EngineStreamError``). The client waits for the first chunk anyway, so reading it
-        here costs no time to first token."""
-        try:
-            async for event in events:
-                if event.data == "[DONE]":
-                    return None
-                chunk: dict[str, Any] = _decode(event.data)
-                err = chunk.get("error")
-                if err is None:
-                    return chunk
-                err = err if isinstance(err, dict) else {"message": str(err)}
-                code = err.get("code")
-                if isinstance(code, int) and 400 <= code < 500 and code not in BUSY_STATUSES:
-                    return UpstreamClientError(code, {"error": err}, f"engine {engine.url} refused it")
-                # Nothing was handed out: another engine may take the request (attempts.retryable).
-                return UpstreamUnavailable(f"engine {engine.url} failed before any output: "
-                                           f"{err.get('message', err)}")
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"engine {engine.url} stream broke: {exc.__class__.__name__}") from exc
-        raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
 
     def _send_failed(self, engine: Engine, request_id: str,
                      exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:
@@ -272,6 +228,26 @@ def credential_refused(engine: Engine, status: int, data: Any) -> None:
     if status == 401 and not (isinstance(data, dict) and isinstance(data.get("error"), dict)):
         raise UpstreamUnavailable(f"engine {engine.url} refused the coordinator's credential (HTTP 401): "
                                   "set engines[].api_key to the engine's --api-key")
+
+
+def _error_event(engine: Engine, error: Any, *, before_output: bool) -> PipelineError:
+    """What an SSE error event means.
+
+    vLLM validates a request's sampling parameters (a grammar, ``skip_tokenizer_init``) only when the
+    engine takes it, after the 200: its refusal arrives as the stream's first event, ``{"error":
+    {..., "code": 400}}``. Before any output a 4xx there is the client's error, which the topology
+    reads before the stream counts as open (``legs.first_chunk``), so the client gets the status and
+    body before any byte, as ``vllm serve`` answers; any other error before output is the engine's
+    failure (retried elsewhere). Once output flowed it stays an error in the stream
+    (``EngineStreamError``)."""
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    message = err.get("message", error)
+    if not before_output:
+        return EngineStreamError(f"engine error: {message}")
+    code = err.get("code")
+    if isinstance(code, int) and 400 <= code < 500 and code not in BUSY_STATUSES:
+        return UpstreamClientError(code, {"error": err}, f"engine {engine.url} refused the request")
+    return UpstreamUnavailable(f"engine {engine.url} failed before any output: {message}")
 
 
 def _raise_for_status(engine: Engine, status: int, data: Any) -> None:

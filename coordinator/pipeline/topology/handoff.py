@@ -17,7 +17,7 @@ from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.engines.client import EngineClient, engine_request_id
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.topology.attempts import Attempts
-from coordinator.pipeline.topology.legs import attempt_id, decode_body, phase, prefill_body
+from coordinator.pipeline.topology.legs import attempt_id, decode_body, first_chunk, phase, prefill_body
 
 
 class HandoffLegs:
@@ -31,13 +31,14 @@ class HandoffLegs:
     async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
                      req: SchedRequest, rid: str, include_usage: bool
                      ) -> tuple[AsyncIterator[dict[str, Any]], tracing.Leg | None]:
-        """Run the prefill leg if any, open the decode (or union) stream up to its HTTP 200."""
+        """Run the prefill leg if any, open the decode (or union) stream up to its first chunk."""
         params = await self._prefill_leg(grant, generate, req)
         engine = grant.placement.engine
         leg = tracing.stream_leg(phase(grant), engine.url, engine_request_id(rid), ends_with=stack)
         with self._attempts.outcome(engine, req, phase(grant), ok="streaming"), tracing.opening(leg):
             chunks = await stack.enter_async_context(self._client.stream(
                 engine, decode_body(generate, params), rid, include_usage=include_usage))
+            chunks = await first_chunk(chunks)
         return chunks, leg
 
     async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],

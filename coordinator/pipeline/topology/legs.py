@@ -64,3 +64,23 @@ def decode_body(generate: dict[str, Any], kv_transfer_params: dict[str, Any] | N
     if kv_transfer_params is None:
         return generate
     return {**generate, "kv_transfer_params": kv_transfer_params}
+
+
+async def first_chunk(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Wait for a stream's first chunk, then the whole stream again, first chunk included.
+
+    Why before the stream counts as open: vLLM refuses a request's sampling parameters (a grammar on
+    an engine without a tokenizer) as the first SSE event of a 200 (``engines/client.py``), and the
+    client must get that 4xx before any byte. The client's first byte waits for this chunk anyway."""
+    first: dict[str, Any] | None = None
+    with contextlib.suppress(StopAsyncIteration):
+        first = await anext(chunks)
+    return prepend(first, chunks)
+
+
+async def prepend(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]
+                  ) -> AsyncIterator[dict[str, Any]]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk

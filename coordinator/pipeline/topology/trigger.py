@@ -37,6 +37,7 @@ from coordinator.pipeline.engines.client import EngineClient, engine_request_id
 from coordinator.pipeline.errors import NoHealthyEngine, UpstreamUnavailable
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.topology.attempts import Attempts
+from coordinator.pipeline.topology.legs import prepend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,7 +242,7 @@ class TriggerLegs:
             with contextlib.suppress(StopAsyncIteration):
                 first = await call.race(anext(chunks), self._timeout_s, engine.url)
         call.after_prefill(lambda: _release_prefill(grant))
-        return _prepend(first, chunks), leg
+        return prepend(first, chunks), leg
 
     async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
                        req: SchedRequest, rid: str) -> dict[str, Any]:
@@ -282,14 +283,6 @@ class TriggerLegs:
 def _release_prefill(grant: Grant) -> None:
     if grant.placement.prefill is not None:
         grant.release_engine(grant.placement.prefill)
-
-
-async def _prepend(first: dict[str, Any] | None, rest: AsyncIterator[dict[str, Any]]
-                   ) -> AsyncIterator[dict[str, Any]]:
-    if first is not None:
-        yield first
-    async for chunk in rest:
-        yield chunk
 
 
 def trigger_decode_body(generate: dict[str, Any], metaserver_url: str) -> dict[str, Any]:
