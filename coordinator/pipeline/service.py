@@ -26,6 +26,7 @@ from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer, request_view
 from coordinator.pipeline.derender.fixups import (
+    attach_token_ids,
     eos_stop_reason,
     stops_on_token,
     tool_call_finish_reason,
@@ -244,6 +245,10 @@ class Pipeline:
         out["id"] = ctx.response_id
         out["system_fingerprint"] = system_fingerprint(ctx.model)
         self._finish_choices(ctx, out, blank)
+        if ctx.body.get("return_token_ids"):
+            attach_token_ids(ctx.kind, out, [(p.prompt_token_ids, p.n) for p in ctx.prompts],
+                             {p.index * p.n + int(c.get("index", 0)): list(c.get("token_ids") or [])
+                              for p, r in zip(ctx.prompts, responses, strict=True) for c in r["choices"]})
         usage = out.get("usage") or {}
         usage["completion_tokens"] = counted
         usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + counted

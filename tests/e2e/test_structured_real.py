@@ -325,3 +325,33 @@ def test_truncate_prompt_tokens_equals_native(vllm_stack: VllmStack, coord: Coor
         kind = "chat" if "messages" in body else "completion"
         assert answer(ours, False, kind)[0] == answer(native, False, kind)[0]
         assert ours.json()["usage"]["prompt_tokens"] == native.json()["usage"]["prompt_tokens"] == 40
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_return_token_ids_gives_prompt_and_completion_ids_as_native(
+        vllm_stack: VllmStack, coord: CoordinatorServer, kind: str, stream: bool) -> None:
+    path, body = (("/v1/chat/completions", {"messages": CAPITAL}) if kind == "chat"
+                  else ("/v1/completions", {"prompt": "The capital of France is"}))
+    full = {"model": SERVED, "temperature": 0, "max_tokens": 6, "return_token_ids": True, **body}
+
+    def ids(resp: httpx.Response, streamed: bool) -> tuple[Any, list[int]]:
+        assert resp.status_code == 200, resp.text
+        if not streamed:
+            data = resp.json()
+            choice = data["choices"][0]
+            prompt = data.get("prompt_token_ids") if kind == "chat" else choice.get("prompt_token_ids")
+            return prompt, choice["token_ids"]
+        prompt, out = None, []
+        for e in sse_events(resp)[:-1]:
+            if kind == "chat" and e.get("prompt_token_ids"):
+                prompt = e["prompt_token_ids"]
+            for c in e["choices"]:
+                if kind == "completion" and c.get("prompt_token_ids"):
+                    prompt = c["prompt_token_ids"]
+                out += c.get("token_ids") or []
+        return prompt, out
+
+    ours = ids(post(coord.url, path, {**full, "stream": stream}), stream)
+    native = ids(post(vllm_stack.native.url, path, {**full, "stream": stream}), stream)
+    assert ours == native and ours[0] and ours[1], (ours, native)

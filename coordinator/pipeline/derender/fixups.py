@@ -14,6 +14,10 @@ Each correction names the native behaviour it restores (vLLM 0.32 source):
   ``stop_reason: null`` (``v1/core/sched/utils.py``, ``check_stop``); a ``--tokens-only`` engine has
   no tokenizer, takes EOS from the generation config into ``stop_token_ids`` and reports it as
   ``stop_reason: 2``. A stop token the client did not ask for is therefore reported as ``null``.
+* **``return_token_ids`` returns the prompt's ids too.** Native puts ``prompt_token_ids`` at the top
+  of a chat answer and on each completion choice (a stream: on the first chunk of each choice), and
+  the output ids on every choice; derender of a completion leaves both ``null`` and has no prompt to
+  report for chat (it is given a one-message stub). The coordinator has both sets of ids.
 * **Tool-call deltas carry only what is set.** Native chunks are written with
   ``exclude_unset``; derender's chunks have explicit ``null`` for ``id``/``type``/``name`` after the
   first fragment, which the OpenAI SDK's stream helper then copies over the real values.
@@ -64,3 +68,26 @@ def compact_tool_call_deltas(choice: dict[str, Any]) -> None:
         if isinstance(fn, dict):
             for key in [k for k, v in fn.items() if v is None]:
                 del fn[key]
+
+
+def attach_token_ids(kind: str, out: dict[str, Any], prompts: list[tuple[list[int], int]],
+                     outputs: dict[int, list[int]]) -> None:
+    """A non-streaming answer with ``return_token_ids``: ``prompts`` is each prompt's ids and ``n``
+    in order; ``outputs`` maps a choice's global index to the engine's ids for it."""
+    if kind == "chat":
+        if prompts:
+            out["prompt_token_ids"] = prompts[0][0]
+    by_index = {p * n + c: ids for p, (ids, n) in enumerate(prompts) for c in range(n)}
+    for choice in out.get("choices", []):
+        index = int(choice.get("index", 0))
+        if index in outputs:
+            choice["token_ids"] = outputs[index]
+        if kind != "chat" and index in by_index:
+            choice["prompt_token_ids"] = by_index[index]
+
+
+def stream_token_ids(choice: dict[str, Any], ids: list[int], prompt_ids: list[int] | None) -> None:
+    """A completion stream's chunk with ``return_token_ids``: this chunk's output ids, and the prompt's
+    ids on the choice's first chunk (``prompt_ids``, None after it), as native sends them."""
+    choice["token_ids"] = ids
+    choice["prompt_token_ids"] = prompt_ids

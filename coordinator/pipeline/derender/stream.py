@@ -50,6 +50,7 @@ from coordinator.pipeline.derender.fixups import (
     compact_tool_call_deltas,
     eos_stop_reason,
     stops_on_token,
+    stream_token_ids,
     without_stop_token,
 )
 from coordinator.pipeline.derender.shape import role_chunk, shape_stream_chunk
@@ -257,6 +258,8 @@ class PromptStream:
                 eos_stop_reason(out_choice, self.ctx.body.get("stop_token_ids"))
             if self.ctx.kind == "chat":
                 compact_tool_call_deltas(out_choice)
+            elif self.ctx.body.get("return_token_ids"):
+                stream_token_ids(out_choice, new_ids, self.plan.prompt_token_ids if st.tokens == 0 else None)
         out["id"] = self.ctx.response_id
         out["created"] = self.ctx.created
         if self._collect or shape_stream_chunk(self.ctx, out, parsers=self._parsers):
