@@ -7,7 +7,7 @@ The grammar itself is built by render (vLLM's own request models turn ``response
 
 * shapes vLLM's models accept but cannot honour, or would turn into an engine-side failure after a
   200 (an empty ``choice`` list, an empty grammar or regex, several constraints at once);
-* the ``param`` to name when no engine can run the grammar (``constraint_field``).
+* the ``param`` to name when a grammar is refused (``constraint_field``, ``name_constraint``).
 
 Everything else (unknown schema keywords, a grammar the backend rejects) is refused by render or
 by the engine with a 400, which reaches the client before any byte (``engines/client.py``).
@@ -74,7 +74,7 @@ def check_structured_outputs(v: Any) -> None:
             raise BadRequest(f"'{param}' must be a non-empty list of strings", param=param)
     elif key in ("regex", "grammar"):
         if not isinstance(value, str) or not value.strip() or "\x00" in value:
-            raise BadRequest(f"'{param}' must be a non-empty string", param=param)
+            raise BadRequest(f"'{param}' must be a non-empty string without NUL characters", param=param)
     elif key == "json":
         if not isinstance(value, dict | bool | str) or (isinstance(value, str) and not value.strip()):
             raise BadRequest(f"'{param}' must be a JSON Schema (an object, or its JSON text)", param=param)
@@ -85,8 +85,8 @@ def check_structured_outputs(v: Any) -> None:
         raise BadRequest(f"'{param}' must be an object or its JSON text", param=param)
 
 
-def constraint_field(body: Mapping[str, Any]) -> str:
-    """The client field that asked for a grammar, for an error's ``param``."""
+def constraint_field(body: Mapping[str, Any]) -> str | None:
+    """The client field that asks for a grammar (for an error's ``param``); None when none does."""
     if body.get("structured_outputs") is not None:
         return "structured_outputs"
     fmt = body.get("response_format")
@@ -97,7 +97,7 @@ def constraint_field(body: Mapping[str, Any]) -> str:
         return "tool_choice"
     if body.get("parallel_tool_calls") is False:
         return "parallel_tool_calls"
-    return "tool_choice"
+    return None
 
 
 # How render and the engines word a grammar they cannot build: xgrammar's "Grammar error: ...",
@@ -108,14 +108,6 @@ _GRAMMAR_REFUSAL = re.compile(r"grammar|regex|json.?schema|structural.?tag|struc
 def name_constraint(error: PipelineError, body: object) -> None:
     """Give a 4xx about the request's grammar the ``param`` that asked for it: vLLM refuses a bad
     schema, regex or grammar with ``param: null``, and a client deserves to know which field."""
-    if (error.param is None and 400 <= error.status < 500 and isinstance(body, dict)
-            and _asks_for_grammar(body) and _GRAMMAR_REFUSAL.search(error.message)):
+    if error.param is None and 400 <= error.status < 500 and isinstance(body, dict) \
+            and _GRAMMAR_REFUSAL.search(error.message):
         error.param = constraint_field(body)
-
-
-def _asks_for_grammar(body: Mapping[str, Any]) -> bool:
-    fmt = body.get("response_format")
-    choice = body.get("tool_choice")
-    return (body.get("structured_outputs") is not None
-            or (isinstance(fmt, dict) and fmt.get("type") not in (None, "text"))
-            or choice == "required" or isinstance(choice, dict))

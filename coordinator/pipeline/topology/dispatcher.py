@@ -84,23 +84,18 @@ class Dispatcher:
 
     def check_capable(self, ctx: RequestContext) -> None:
         """Before admission: a request only an engine with a tokenizer can run (a grammar, bad_words)
-        is a client error when no engine of its model loads one, or, for a grammar, when token
-        obfuscation is on (grammars are compiled against the real vocabulary, engines see permuted
-        ids). Never a silent drop of the constraint, never a 5xx."""
+        is a client error when no engine of its model loads one: never a silent drop of the
+        constraint, never a 5xx. (With token obfuscation on, the obfuscating engine client refuses
+        both, ``obfuscation.sampling_to_physical``.)"""
         params = [p.generate.get("sampling_params") for p in ctx.prompts]
         needs: frozenset[Capability] = frozenset().union(*(needs_of(sp) for sp in params))
-        if TOKENIZER not in needs:
+        if TOKENIZER not in needs or self._attempts.capable(ctx.model, needs):
             return
         grammar = any(has_grammar(sp) for sp in params)
-        field = constraint_field(ctx.body) if grammar else "bad_words"
+        field = (constraint_field(ctx.body) or "structured_outputs") if grammar else "bad_words"
         what = "structured outputs" if grammar else "the engine's tokenizer"
-        if grammar and self._client.obfuscator is not None:
-            raise BadRequest(f"'{field}' needs structured outputs, which this server cannot run with "
-                             "token obfuscation on: grammars are built for the real vocabulary and the "
-                             "engines see permuted token ids", param=field)
-        if not self._attempts.capable(ctx.model, needs):
-            raise BadRequest(f"'{field}' needs {what}, which no engine serving model {ctx.model!r} can "
-                             "provide: its engines load no tokenizer (--tokens-only)", param=field)
+        raise BadRequest(f"'{field}' needs {what}, which no engine serving model {ctx.model!r} can "
+                         "provide: its engines load no tokenizer (--tokens-only)", param=field)
 
     async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
