@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -59,14 +60,22 @@ async def started(f: RedisFleet) -> Holder:
 
 
 def test_claims_are_atomic_across_processes(redis_server: RedisServer) -> None:
-    """Two processes race 40 claims of 10 tokens each at a 100-token budget: exactly 10 are taken,
-    whichever process made them, and a release makes room for exactly one more."""
+    """Two processes race 40 claims of 10 tokens each at a 100-token budget: never more than 10 are
+    taken, whichever process made them (fewer when a claim that counted more of its own tokens
+    reaches Redis first: it waits, as a request would); claiming on fills the budget exactly; and a
+    release makes room for exactly one more."""
     ns = uuid.uuid4().hex
 
     async def main() -> None:
         a, b = await started(fleet(redis_server, ns)), await started(fleet(redis_server, ns))
         results = await asyncio.gather(*(h.claim(10, 100) for _ in range(20) for h in (a, b)))
-        assert sum(results) == 10 and a.own + b.own == 100
+        assert 1 <= sum(results) <= 10 and a.own + b.own == 10 * sum(results)
+        # A raced claim may have written a total its process no longer holds (it counted siblings
+        # refused after it); the next sync rewrites the true totals.
+        await asyncio.sleep(0.2)
+        for h in [a, b] * 10:  # one at a time now: the budget fills exactly
+            await h.claim(10, 100)
+        assert a.own + b.own == 100
         assert not await b.claim(10, 100) and not await a.claim(10, 100)
         (a if a.own else b).release(10)
         await asyncio.sleep(0.2)  # the release is written in the background
@@ -113,16 +122,22 @@ asyncio.run(main())
 def test_a_killed_process_gives_its_tokens_back_when_its_lease_ends(redis_server: RedisServer) -> None:
     ns = uuid.uuid4().hex
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, redis_server.url, ns], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the holder process never said it held its tokens"
+        assert proc.stdout.readline().strip() == "held"
 
         async def main() -> float:
             b = await started(fleet(redis_server, ns))
             assert not await b.claim(50, 100), "the live holder's 80 tokens count"
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
-            while not await b.claim(50, 100):
+            # Only a claim Redis decided counts (a degraded fleet answers yes on its own; a Redis call
+            # is bounded, so a lost reply degrades it until the next sync instead of hanging).
+            while not await b.claim(50, 100) or b.fleet.degraded:
                 assert time.monotonic() - killed < 5, "the dead holder's tokens never came back"
                 await asyncio.sleep(0.05)
             waited = time.monotonic() - killed

@@ -162,6 +162,10 @@ class RedisFleet:
 
         self._redis: Any = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                              retry_on_timeout=False)
+        # Every call is bounded here too: redis-py's socket timeouts did not always end a call (seen
+        # once in a while in the test suite: a claim waiting forever after the other process died),
+        # and admission must never wait on Redis longer than its outage rule allows.
+        self._call_timeout = 2 * timeout_s
         self._ns = namespace
         self._ttl_ms = int(lease_ttl_s * 1000)
         self._interval = sync_interval_s
@@ -176,6 +180,7 @@ class RedisFleet:
         self._on_state = on_state
         self._on_claim = on_claim
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._pending: set[asyncio.Task[Any]] = set()
 
     # -- what admission reads ------------------------------------------------------------------------
@@ -205,7 +210,16 @@ class RedisFleet:
         args: list[Any] = [int(time.time() * 1000), self.proc, self._ttl_ms, self._version]
         for s in slots:
             args += [s.own, s.delta, -1 if s.limit is None else s.limit]
-        result = await self._script(keys=self._keys(s.key for s in slots), args=args)
+        try:
+            async with asyncio.timeout(self._call_timeout):
+                result = await self._script(keys=self._keys(s.key for s in slots), args=args)
+        except Exception:
+            # A call cut short may leave its connection mid-reply: start over with fresh connections,
+            # so no later call reads an answer that was not its own.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._call_timeout):
+                    await self._redis.connection_pool.disconnect()
+            raise
         for s, other in zip(slots, result[1:], strict=True):
             self._others[s.key] = int(other)
         return bool(result[0])
@@ -248,9 +262,13 @@ class RedisFleet:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="fleet-sync")
 
     async def _loop(self) -> None:
-        while True:
+        # ``_closing`` as well as cancel(): a cancellation that lands inside redis-py's own read
+        # timeout can come out as its TimeoutError, which ``_sync`` takes for an outage and goes on
+        # (seen in the suite: ``aclose`` then waited on this loop forever).
+        while not self._closing:
             await asyncio.sleep(self._interval)
-            await self._sync()
+            if not self._closing:
+                await self._sync()
 
     async def _sync(self) -> None:
         """Renew the lease and refresh the mirror by rewriting this process's totals (a write carries
@@ -282,10 +300,12 @@ class RedisFleet:
 
     async def aclose(self) -> None:
         """Stop renewing, take this process's holdings out of the fleet, close the connection."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            done, _ = await asyncio.wait({self._task}, timeout=self._call_timeout + self._interval)
+            if not done:
+                log.warning("fleet ledger: the sync loop did not stop when cancelled; leaving it")
         for task in list(self._pending):
             with contextlib.suppress(Exception):
                 await task
@@ -294,4 +314,5 @@ class RedisFleet:
                 await self._run([Slot(key, 0, 0, None) for key in self._totals()]
                                 or [Slot(GLOBAL, 0, 0, None)])
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            async with asyncio.timeout(self._call_timeout):
+                await self._redis.aclose()
