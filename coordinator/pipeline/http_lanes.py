@@ -34,6 +34,30 @@ def shared_ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
+class ResetSafeTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport, where a peer that dies as a connection opens is a ``ConnectError``.
+
+    anyio 4 answers a stream's socket attributes from the live socket; when the engine is killed
+    between accept and httpcore's first look at the connection, that socket is already ``None`` and
+    httpcore lets the ``AttributeError`` through. Without this, a SIGKILLed engine's health probe
+    (or a stream opened to it) failed the request with a 500 instead of counting as a dead engine.
+    """
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as exc:
+            if "'NoneType' object has no attribute" not in str(exc):
+                raise
+            raise httpx.ConnectError(f"the connection closed as it opened ({exc})", request=request) from exc
+
+
+def transport(limits: httpx.Limits) -> ResetSafeTransport:
+    """The transport every coordinator client uses (a client given a transport takes its pool
+    limits and TLS context from it, not from its own arguments)."""
+    return ResetSafeTransport(limits=limits, verify=shared_ssl_context())
+
+
 class Lanes:
     """``total_connections`` spread over ``ceil(total / LANE_CONNECTIONS)`` clients."""
 

@@ -41,7 +41,8 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, Lanes, shared_ssl_context
+from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, Lanes
+from coordinator.pipeline.http_lanes import transport as lanes_transport
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,9 @@ class SidecarClient:
         self.settings = settings
         self._clock = clock
         def client(url: str) -> Callable[[httpx.Limits], httpx.AsyncClient]:
-            return lambda limits: httpx.AsyncClient(base_url=url, transport=transport, limits=limits,
-                                                    verify=shared_ssl_context(),
-                                                    timeout=httpx.Timeout(settings.timeout_s))
+            return lambda limits: httpx.AsyncClient(
+                base_url=url, transport=transport or lanes_transport(limits),
+                timeout=httpx.Timeout(settings.timeout_s))
 
         self.sidecars = [Sidecar(url, i, Lanes(settings.max_connections, client(url), KEEPALIVE_EXPIRY_S))
                          for i, url in enumerate(settings.endpoints)]

@@ -30,7 +30,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import Lanes, shared_ssl_context
+from coordinator.pipeline.http_lanes import Lanes, transport
 from coordinator.pipeline.obfuscation import Obfuscator
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ class EngineClient:
         # Small pools (see http_lanes): every open stream holds a connection, and one big pool would
         # make opening each new stream scan all of them.
         self._lanes = Lanes(settings.max_connections,
-                            lambda limits: httpx.AsyncClient(timeout=timeout, limits=limits,
-                                                              verify=shared_ssl_context()))
+                            lambda limits: httpx.AsyncClient(timeout=timeout, transport=transport(limits)))
         self._aborts: set[asyncio.Task[bool]] = set()
         self.open_streams = 0  # generate responses held open (a leak shows here: /admin/accounting)
         self.on_abort: Callable[[bool], None] | None = None  # each abort's answer (the engine_aborts metric)
