@@ -136,6 +136,9 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     """``metrics_registry``: the embedding application's Prometheus registry (default: one of our own).
     ``tracer_provider``: an OpenTelemetry TracerProvider of the embedding application (or a test's, with
     an in-memory exporter); it turns tracing on, and the caller keeps owning it (docs/tracing.md)."""
+    problem = settings.render_off_problem()
+    if problem is not None:
+        raise ValueError(problem)
     metrics = Metrics(metrics_registry)
     observer = tracing.build_observer(settings.tracing, metrics, tracer_provider)
     sidecar = SidecarClient(settings.render)
@@ -198,7 +201,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         admission.wake()
 
     registry.add_listener(on_engine)
-    catalog = ModelCatalog(settings.models, sidecar)
+    catalog = ModelCatalog(settings.models, sidecar if settings.render.enable else None)
     attempts = Attempts(registry, scheduler, admission, settings.resilience, metrics)
     native = NativeRoute(NativeClient(settings.engine_client), registry, attempts,
                          obfuscated=lambda: settings.obfuscation.enabled)
@@ -210,6 +213,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     pipeline = Pipeline(
         catalog=catalog,
         render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
+                           enabled=settings.render.enable,
                            context_budget=settings.limits.context_budget_mode,
                            engine_lengths=registry.max_model_lens,
                            prefix_block_size=None if prefix.source == "none" else prefix.block_size,
@@ -281,14 +285,15 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
 
     async def ready_here() -> tuple[bool, dict[str, Any]]:
         """This process's own readiness: all of /ready with one process, one worker's part with several."""
-        sidecars = await c.sidecar.health()
+        sidecars = await c.sidecar.health() if c.settings.render.enable else {}
         sidecar_ok = any(sidecars.values())
         engines = {e.url: e.state for e in c.registry.engines}
         # Without render, requests still answer through the render fallback (native route).
         fallback = c.native is not None and c.native.available()
         ok = (sidecar_ok or fallback) and c.registry.any_healthy() and not drain.draining
         fleet = c.settings.admission.fleet.backend
-        return ok, {"ready": ok, "draining": drain.draining, "render": sidecar_ok,
+        return ok, {"ready": ok, "draining": drain.draining,
+                    "render": sidecar_ok if c.settings.render.enable else "off",
                     "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
                     "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
                     # shared / degraded (Redis unreachable: admitting with a share) / local

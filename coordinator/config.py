@@ -106,6 +106,11 @@ class LimitsSettings(_Section):
 class RenderSettings(_Section):
     """The localhost vLLM render sidecars (render + derender): one process each, same model and flags."""
 
+    enable: bool = Field(
+        default=True, description="false: no render sidecar; every request is tokenized by the local "
+        "tokenizer (for admission and KV affinity) and answered by an engine's own OpenAI API (engines "
+        "with `native_api`), Messages and Responses included (docs/engine-capabilities.md)",
+    )
     url: str = Field(default="http://127.0.0.1:8100", description="the sidecar when `urls` is empty")
     urls: list[str] = Field(
         default_factory=list, description="a pool of sidecar processes; calls go to the least busy one "
@@ -224,6 +229,9 @@ class DiscoverySettings(_Section):
     tokenizer: bool | None = Field(
         default=None, description="whether these engines load a tokenizer (see engines[].tokenizer); "
         "null = learn it from each engine"
+    )
+    native_api: bool = Field(
+        default=False, description="these engines also serve their own OpenAI API (see engines[].native_api)"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
@@ -681,6 +689,19 @@ class Settings(BaseSettings):
             if e.model is not None and e.model not in names:
                 raise ValueError(f"engine {e.url} serves {e.model!r}, which is not in models")
         return self
+
+    def render_off_problem(self) -> str | None:
+        """Why ``render.enable: false`` cannot serve with these engines, or None. Checked when the
+        coordinator starts (not while loading, so one variable at a time can still be set)."""
+        if self.render.enable:
+            return None
+        if not any(e.native_api and e.role == "union" for e in self.engines) and not any(
+                d.native_api and d.role == "union" and d.dns_name for d in self.discovery):
+            return ("render.enable is false, so every request takes an engine's own OpenAI API: "
+                    "mark at least one union engine (or discovery entry) native_api: true")
+        if self.obfuscation.enabled:
+            return "render.enable false sends text to the engines, which token obfuscation forbids"
+        return None
 
     @model_validator(mode="after")
     def _one_pd_protocol(self) -> Settings:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -66,6 +67,17 @@ class StackPlan:
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or default_port
+
+
+def models_with_path(config_path: Path, model_dir: Path) -> dict[str, str]:
+    """``COORD_MODELS`` with the prepared model folder as each model's ``path`` where the YAML sets
+    none (the folder is machine-specific), so the local tokenizer can size requests when render is
+    off or down (the render fallback and the native chain). Empty when the caller set COORD_MODELS."""
+    if "COORD_MODELS" in os.environ:
+        return {}
+    data: dict[str, Any] = yaml.safe_load(config_path.read_text(encoding="utf-8")) or {}
+    models = [{"path": str(model_dir), **m} for m in data.get("models") or [] if isinstance(m, dict)]
+    return {"COORD_MODELS": json.dumps(models)} if models else {}
 
 
 def load_plan(config_path: Path) -> StackPlan:
@@ -151,7 +163,8 @@ def run_stack(
             )
             base = f"http://{plan.server_host}:{plan.server_port}"
             if with_coordinator and coordinator_available():
-                env = {**os.environ, "COORD_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
+                env = {**os.environ, "COORD_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
+                       **models_with_path(config_path, model_dir)}
                 coordinator = ManagedProcess(
                     [sys.executable, "-m", "coordinator", "--config", str(config_path)],
                     env=env, name="coordinator", cwd=REPO_ROOT, log_path=log_path("coordinator"),

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Address
@@ -27,10 +28,12 @@ from coordinator.observability.record import Door, Record
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.context import Kind, RequestContext
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
+from coordinator.pipeline.native_api import NativeCall
 from coordinator.pipeline.native_route import ChunkStream
 from coordinator.pipeline.service import Pipeline
 
 log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
 
 OnError = Callable[[BaseException], None]
 
@@ -47,10 +50,39 @@ class Wire:
 @dataclass(frozen=True)
 class Prepared:
     """What ``prepare`` may answer when the answer's writing depends on the request (Responses echoes
-    the request's fields): the pipeline's body and the wire for this one request."""
+    the request's fields): the pipeline's body and the wire for this one request. With ``native``,
+    the body is the client's own, for the engines' route for its API (``pipeline/native_api.py``)."""
 
     body: Any
     wire: Wire
+    native: NativeCall | None = None
+
+
+def passthrough_wire(error: Callable[[PipelineError, str | None], Response],
+                     error_event: Callable[[PipelineError | None], dict[str, Any]]) -> Wire:
+    """The wire of a request on the native chain: the engine's answer is already in the client's API,
+    so bodies go out as they came and events are framed as vLLM frames them (``event: <type>``).
+    ``error_event``: the API's event for a failure after the first byte (None: not the client's)."""
+
+    async def events(session: ChunkStream, on_error: OnError, record: Record,
+                     _: RequestContext) -> AsyncIterator[bytes]:
+        try:
+            async for event in session.events():
+                record.output_event()
+                yield sse_frame(event)
+        except Exception as exc:
+            on_error(exc)
+            record.fail(exc)
+            yield sse_frame(error_event(exc if isinstance(exc, PipelineError) else None))
+            return
+        record.complete()
+
+    return Wire(error=error, body=lambda answer, _: answer, stream=events)
+
+
+def sse_frame(event: dict[str, Any]) -> bytes:
+    """``event: <type>\ndata: <json>\n\n``: how vLLM frames Messages and Responses events."""
+    return b"event: " + str(event.get("type")).encode() + b"\ndata: " + _encode(event) + b"\n\n"
 
 
 async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *, kind: Kind,
@@ -68,14 +100,16 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         tenant = authorize(request)
         body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
                                     max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
+        native = None
         if prepare is not None:
             body = await prepare(body, request_id)
             if isinstance(body, Prepared):
-                body, wire = body.body, body.wire
+                body, wire, native = body.body, body.wire, body.native
         served = await pipeline.serve(
             kind, body, request_id,
             priority=header_priority(request.headers.get(settings.admission.priority_header)),
-            gone=lambda: _disconnected(request), record=record, operation=operation, tenant=tenant)
+            gone=lambda: _disconnected(request), record=record, operation=operation, tenant=tenant,
+            native=native)
     except PipelineError as exc:
         record.fail(exc, exc.status)
         record.finish()

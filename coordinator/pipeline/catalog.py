@@ -39,7 +39,8 @@ class ModelCatalog:
     """Resolves names (400/404) and learns ``max_model_len``/``root`` from the sidecar and ``vocab_size``
     from the model's files."""
 
-    def __init__(self, models: list[ModelSettings], sidecar: SidecarClient) -> None:
+    def __init__(self, models: list[ModelSettings], sidecar: SidecarClient | None) -> None:
+        """``sidecar`` None: render is off; what the configuration says is all there is to learn."""
         now = int(time.time())
         self._entries = {m.name: ModelEntry(m.name, list(m.aliases), m.max_model_len, None, now,
                                             vocab_size=m.vocab_size, path=m.path)
@@ -78,13 +79,15 @@ class ModelCatalog:
 
     async def _sync(self) -> bool:
         try:
-            served = {m.get("id"): m for m in await self._sidecar.models()}
+            served = {m.get("id"): m for m in await self._sidecar.models()} if self._sidecar else {}
         except Exception as exc:  # the sidecar may still be starting; callers retry
             log.info("model catalog: sidecar not ready (%s)", exc.__class__.__name__)
             return False
         for e in self._entries.values():
             card = served.get(e.name)
             if card is None:
+                if self._sidecar is None:
+                    continue
                 log.warning("model %s is configured but the render sidecar does not serve it", e.name)
                 continue
             if e.max_model_len is None and isinstance(card.get("max_model_len"), int):

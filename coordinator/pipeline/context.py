@@ -12,6 +12,8 @@ from coordinator.pipeline.derender.stop import StopSpec
 Kind = Literal["chat", "completion"]
 Route = Literal["tokens", "native"]  # token-only engines via render/derender, or an engine's OpenAI API
 TokenizerSource = Literal["render", "local"]
+# Another API's request sent as it is to the engines' own route for it (``pipeline/native_api.py``).
+NativeApi = Literal["messages", "responses"]
 
 
 @dataclass
@@ -55,6 +57,7 @@ class RequestContext:
     route: Route = "tokens"
     tokenizer_source: TokenizerSource = "render"  # "local": render was unavailable (render fallback)
     visible: bool = False             # a chunk was handed to the client writer (no whole-request retry)
+    native_api: NativeApi | None = None  # the body is this API's, for the engines' own route (native chain)
     record: Record = field(default_factory=lambda: Record("internal"))  # observation record (doors share it)
 
     @property

@@ -123,7 +123,7 @@ def _pydantic_dump(message: str) -> tuple[str, str] | None:
 
 
 def _feature_param(hint: str) -> str | None:
-    for field in ("tool_choice", "response_format", "reasoning", "tools"):
+    for field in ("thinking_token_budget", "tool_choice", "response_format", "reasoning", "tools"):
         if field in hint or field.replace("_", " ") in hint:
             return field
     return None
@@ -205,6 +205,14 @@ class TokenRouteMissing(UpstreamUnavailable):
     """An engine answered a bare 404 or a 501 on ``/inference/v1/generate``: it does not serve the
     token-only route (not a failure of the request). Another engine may; if none does and nothing was
     sent yet, the request may take the native route (docs/decisions.md)."""
+
+
+class RelayDiverged(PipelineError):
+    """A grammar-constrained stream regenerated on another engine after a failure came out different
+    from what the client already has (``topology/engine_stream.py``): it cannot go on. Never relayed."""
+
+    status = 502
+    type = "BadGatewayError"
 
 
 class UpstreamTimeout(PipelineError):

@@ -8,7 +8,8 @@ themselves, so such a request can still be answered.
 
 Rules, in one place:
 
-* **When.** ``ctx.route == "native"`` (set by the render fallback), or the token-only route raised
+* **When.** ``ctx.route == "native"`` (set by the render fallback, or by the native chain for a
+  Messages or Responses body, ``native_api.py``), or the token-only route raised
   ``TokenRouteMissing`` before anything reached the client (``ctx.visible`` false). Never after a
   chunk was sent, never with token obfuscation on (the engine would see plain ids and text: refused,
   fail closed, 503), never for P/D: union placements on ``native_api`` engines only.
@@ -22,6 +23,7 @@ Rules, in one place:
 * **The body** is the client's validated OpenAI body (``model`` = the served name) plus an explicit
   ``max_tokens`` when the client set none (the coordinator's default cap, and what admission
   reserved). The engine's response ``id`` becomes ``ctx.response_id``; everything else is the engine's.
+  Another API's body (``ctx.native_api``) goes to that API's route and keeps the engine's ids.
 * **Streaming** passes the engine's SSE chunks through. Closing the stream (client gone, failure)
   closes the engine response, which vLLM turns into an abort.
 """
@@ -39,6 +41,7 @@ from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.engines.capabilities import NATIVE_API
+from coordinator.pipeline.engines.client import EngineUnreachable
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import (
@@ -51,6 +54,11 @@ from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.legs import attempt_id
 
 log = logging.getLogger(__name__)
+
+# The body fields that bound the output, per API (the first is set when the client set none).
+_BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_tokens", "max_completion_tokens"), "completion": ("max_tokens",),
+    "messages": ("max_tokens",), "responses": ("max_output_tokens",)}
 
 
 class ChunkStream(Protocol):
@@ -129,7 +137,8 @@ class NativeRoute:
         async for attempt in self._attempts.retrying(req):
             with attempt:
                 out = await self._complete_once(ctx, body, req)
-                out["id"] = ctx.response_id
+                if ctx.native_api is None:  # another API's answer keeps the engine's own id
+                    out["id"] = ctx.response_id
                 return out
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
@@ -147,7 +156,7 @@ class NativeRoute:
         engine = grant.placement.engine
         try:
             with self._attempts.outcome(engine, req, "native"), tracing.engine_leg("native", engine.url):
-                return await self.client.complete(engine, ctx.kind, body, _attempt_id(ctx))
+                return await self.client.complete(engine, ctx.native_api or ctx.kind, body, _attempt_id(ctx))
         except BaseException as exc:
             await self._attempts.count_death(grant, exc, req)
             raise
@@ -162,13 +171,26 @@ class NativeRoute:
         try:
             with self._attempts.outcome(engine, req, "native", ok="streaming"), tracing.opening(leg):
                 chunks = await stack.enter_async_context(
-                    self.client.stream(engine, ctx.kind, body, _attempt_id(ctx)))
+                    self.client.stream(engine, ctx.native_api or ctx.kind, body, _attempt_id(ctx)))
         except BaseException as exc:
             await stack.aclose()
             await self._attempts.count_death(grant, exc, req)
             self._attempts.release(grant)
             raise
         return NativeStream(ctx, self._attempts, grant, stack, chunks, req)
+
+    async def count_tokens(self, model: str, body: dict[str, Any], request_id: str,
+                           why: UpstreamUnavailable | UpstreamTimeout) -> int:
+        """A Messages prompt's token count from a native engine's own route (nothing is generated, so
+        nothing is admitted); an engine that cannot be reached gives way to the next."""
+        require(self, model, why.message, type(why))
+        error: PipelineError = why
+        for engine in self._native_engines(model):
+            try:
+                return await self.client.count_tokens(engine, body, request_id)
+            except EngineUnreachable as exc:
+                error = exc
+        raise error
 
     # -- helpers -------------------------------------------------------------------------------
     def _prepare(self, ctx: RequestContext) -> tuple[SchedRequest, dict[str, Any]]:
@@ -178,8 +200,9 @@ class NativeRoute:
         ctx.route = "native"
         plans = ctx.prompts
         body = dict(ctx.body)
-        if plans and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = min(p.max_tokens for p in plans)
+        budget = _BUDGET_FIELDS[ctx.native_api or ctx.kind]
+        if plans and all(body.get(f) is None for f in budget):
+            body[budget[0]] = min(p.max_tokens for p in plans)
         # One reservation for the whole request: the first prompt's ids (what the engine's prefix cache
         # will hold), and every other prompt and output token in max_tokens.
         first = plans[0].prompt_token_ids if plans else []
@@ -196,6 +219,15 @@ class NativeRoute:
         engines = [e for e in self._registry.engines
                    if e.native_api and e.role == "union" and e.serves(model)]
         return sorted(engines, key=lambda e: not e.healthy)
+
+
+def require(route: NativeRoute, model: str, why: str,
+            error: type[UpstreamUnavailable] | type[UpstreamTimeout]) -> None:
+    """Raise ``route.refusal``'s answer when the route cannot serve ``model``: the caller's ``error``
+    type (502, or 504 after a timeout) for a missing engine; the obfuscation refusal as it is."""
+    refusal = route.refusal(model, why)
+    if refusal is not None:
+        raise error(refusal.message) if isinstance(refusal, UpstreamUnavailable) else refusal
 
 
 class NativeStream:
@@ -220,9 +252,11 @@ class NativeStream:
         """The engine's chunks with the response id rewritten. Raises on failure (after feeding the
         engine's breaker: a mid-stream failure is the engine's)."""
         engine = self._grant.placement.engine
+        rewrite = self.ctx.native_api is None  # another API's events keep the engine's own ids
         try:
             async for chunk in self._chunks:
-                chunk["id"] = self.ctx.response_id
+                if rewrite:
+                    chunk["id"] = self.ctx.response_id
                 self.ctx.visible = True
                 yield chunk
         except (UpstreamUnavailable, UpstreamTimeout) as exc:

@@ -50,13 +50,16 @@ from typing import Any, Literal
 
 from coordinator.observability import tracing
 from coordinator.observability.events import event
+from coordinator.pipeline import native_api
 from coordinator.pipeline.catalog import ModelCatalog, ModelEntry
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.fixups import widen_completion_logprobs
 from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.engines.breaker import CircuitBreaker
-from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
-from coordinator.pipeline.native_route import NativeRoute
+from coordinator.pipeline.native_api import NativeCall
+from coordinator.pipeline.native_route import NativeRoute, require
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.token_ids import check_rendered
 
@@ -74,13 +77,15 @@ class RenderStage:
                  native_route: NativeRoute | None = None,
                  context_budget: Literal["off", "on"] = "off",
                  engine_lengths: Callable[[str], list[int]] = lambda model: [],
-                 prefix_block_size: int | None = None,
+                 prefix_block_size: int | None = None, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Without ``local`` and ``native_route`` there is no render fallback (render errors go out).
         ``engine_lengths(model)``: the configured ``max_model_len`` of the engines that may run it.
         ``prefix_block_size``: ask render for the prompts' block hashes at this block size (the
         scheduler reads a prefix index); our sidecar adds them, vLLM's own ignores the ask.
-        ``clock`` drives the render circuit's cooldown (tests)."""
+        ``enabled`` False (``render.enable``): render is never called; every request is tokenized
+        locally and takes the native route. ``clock`` drives the render circuit's cooldown (tests)."""
+        self._enabled = enabled
         self._hash_block = prefix_block_size
         self._sidecar = sidecar
         self._clamp = context_budget == "on"
@@ -105,6 +110,9 @@ class RenderStage:
 
     async def _stage(self, ctx: RequestContext, entry: ModelEntry) -> None:
         started = time.monotonic()
+        if not self._enabled:
+            await self._native(ctx, entry, "render is off (render.enable: false)", UpstreamUnavailable)
+            return
         try:
             rendered = await self._render(ctx)
         except (UpstreamUnavailable, UpstreamTimeout) as exc:  # not UpstreamClientError: the client's
@@ -128,7 +136,7 @@ class RenderStage:
         raw = ctx.body.get(field)
         if raw is None:
             return None
-        requested = int(raw)
+        requested = max(int(raw), 1)  # 0 only with completions' echo: one step, the prompt answered alone
         if not self._clamp:
             return requested
         longest = max(prompt_lengths, default=0)
@@ -186,21 +194,29 @@ class RenderStage:
                         error: UpstreamUnavailable | UpstreamTimeout, started: float) -> None:
         """Render gave no usable answer: local tokenizer + native route, or the render error saying
         why not (same status: 502, or 504 for a timeout)."""
+        if self._local is None or self.native_route is None:
+            raise error
+        await self._native(ctx, entry, f"render is unavailable ({error.message})", type(error))
+        event(log, "render_fallback", ctx.request_id, level=logging.WARNING, model=ctx.model,
+              reason=error.message, latency_ms=round((time.monotonic() - started) * 1000, 2),
+              fallback="local_tokenizer", route="native")
+
+    async def _native(self, ctx: RequestContext, entry: ModelEntry, why: str,
+                      error: type[UpstreamUnavailable] | type[UpstreamTimeout]) -> None:
+        """Plan ``ctx`` for the native route from the local tokenizer's ids; ``why`` render was not
+        used starts the message of every refusal (raised as ``error``: 502, or 504 after a timeout)."""
         native = self.native_route
         if self._local is None or native is None:
-            raise error
-        refusal = native.refusal(ctx.model, f"render is unavailable ({error.message})")
-        if refusal is not None:
-            raise _with_message(error, refusal.message) if isinstance(refusal, UpstreamUnavailable) \
-                else refusal
+            raise error(f"{why} and no engine's own OpenAI API is configured")
+        require(native, ctx.model, why, error)
         try:
             prompts = await self._local.tokenize(ctx.kind, ctx.body, entry.name, entry.root)
         except UpstreamUnavailable as exc:
-            raise _with_message(error, f"render is unavailable ({error.message}) and {exc.message}") from exc
+            raise error(f"{why} and {exc.message}") from exc
         model_len = await native.context_length(entry)
         if model_len is None:
-            raise _with_message(error, f"render is unavailable ({error.message}) and the context length "
-                                f"of model {entry.name!r} is unknown (set models[].max_model_len)")
+            raise error(f"{why} and the context length of model {entry.name!r} is unknown "
+                        "(set models[].max_model_len)")
         max_len = self._context(ctx, model_len)
         sp = {k: ctx.body[k] for k in _LOCAL_SAMPLING_FIELDS if ctx.body.get(k) is not None}
         requested = self._budget(ctx, [len(ids) for ids in prompts], max_len)
@@ -208,9 +224,15 @@ class RenderStage:
                                   ctx, requested, max_len) for i, ids in enumerate(prompts)]
         ctx.tokenizer_source = "local"
         ctx.route = "native"
-        event(log, "render_fallback", ctx.request_id, level=logging.WARNING, model=ctx.model,
-              reason=error.message, latency_ms=round((time.monotonic() - started) * 1000, 2),
-              fallback="local_tokenizer", route="native")
+
+    async def native_api(self, ctx: RequestContext, entry: ModelEntry, call: NativeCall) -> None:
+        """Plan another API's request for the engines' own route (``native_api.py``): the sidecar
+        could not convert it, so nothing is rendered; the local tokenizer estimates its size."""
+        with tracing.stage("render", ctx.record, kind="client"):
+            await native_api.plan(ctx, entry, call, local=self._local, route=self.native_route,
+                                  default_max_tokens=self._default_max_tokens)
+        event(log, "native_api", ctx.request_id, level=logging.WARNING, model=ctx.model, api=call.api,
+              reason=call.reason.message, prompt_tokens=ctx.prompts[0].prompt_tokens, route="native")
 
     def _plan(self, index: int, gr: dict[str, Any], ctx: RequestContext, requested: int | None,
               max_len: int) -> PromptPlan:
@@ -248,12 +270,12 @@ class RenderStage:
         stop = sp.pop("stop", None) or []
         spec = StopSpec(tuple([stop] if isinstance(stop, str) else stop),
                         bool(sp.get("include_stop_str_in_output", False)), int(sp.get("min_tokens", 0)))
+        if ctx.kind == "completion":
+            widen_completion_logprobs(sp)  # cut back to native's count after the engine (fixups.py)
         generate = gr  # a copy already (above)
         generate["sampling_params"] = sp
+        # The engine's own queue order (``--scheduling-policy priority``), the same value admission
+        # ordered by: the body's ``priority`` or the door's priority header.
+        generate["priority"] = ctx.priority
         return PromptPlan(index=index, generate=generate, prompt_token_ids=ids,
                           n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes)
-
-
-def _with_message(error: PipelineError, message: str) -> PipelineError:
-    """The same kind of error (status, type) with a message that says why there was no fallback."""
-    return type(error)(message)

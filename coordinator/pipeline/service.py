@@ -20,14 +20,18 @@ from typing import Any, TypeVar
 
 from coordinator.observability.events import event
 from coordinator.observability.record import Observer, Record, current
+from coordinator.pipeline import prompt_echo
 from coordinator.pipeline.admission.rate_limits import TenantLimiter
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
+from coordinator.pipeline.derender import token_names
 from coordinator.pipeline.derender.client import Derenderer, request_view
 from coordinator.pipeline.derender.fixups import (
+    answer_role,
     attach_token_ids,
     eos_stop_reason,
+    native_top_logprobs,
     stops_on_token,
     tool_call_finish_reason,
     without_stop_token,
@@ -35,7 +39,8 @@ from coordinator.pipeline.derender.fixups import (
 from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
-from coordinator.pipeline.errors import ClientGone, PipelineError, TokenRouteMissing, first_leaf
+from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError, TokenRouteMissing, first_leaf
+from coordinator.pipeline.native_api import NativeCall
 from coordinator.pipeline.native_route import ChunkStream, NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.structured import name_constraint
@@ -120,7 +125,8 @@ class Pipeline:
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
                     gone: Gone | None = None, record: Record | None = None,
-                    operation: str | None = None, tenant: Tenant = ANONYMOUS) -> Served:
+                    operation: str | None = None, tenant: Tenant = ANONYMOUS,
+                    native: NativeCall | None = None) -> Served:
         """One client request, whatever the door: validate → render → admission → scheduling →
         generate → derender. Raises a ``PipelineError`` for the client, or ``ClientGone`` when ``gone``
         completes first (what was acquired is released either way). A streaming answer holds its
@@ -129,7 +135,8 @@ class Pipeline:
         ``priority`` is the door's own priority signal (e.g. a header), used when the body has none.
         ``tenant``: whose request (the door authenticated its key); its limits apply.
         ``record`` is the door's observation record: the pipeline fills its part and the door finishes
-        it; without one the pipeline makes its own and finishes it when the request is released."""
+        it; without one the pipeline makes its own and finishes it when the request is released.
+        ``native``: ``body`` is another API's, for the engines' own route (``native_api.py``)."""
         own = record is None
         if record is None:
             record = self.observer.start("internal") if self.observer is not None else Record("internal")
@@ -140,7 +147,8 @@ class Pipeline:
             stack.callback(record.finish)  # runs last, after every release
         await stack.enter_async_context(self.track())
         try:
-            ctx = await self.begin(kind, body, request_id, priority, record, tenant=tenant)
+            ctx = await (self.begin(kind, body, request_id, priority, record, tenant=tenant) if native is None
+                         else self.begin_native(native, body, request_id, priority, record, tenant))
             if not ctx.stream:
                 response = await _unless_gone(gone, self.complete(ctx))
                 usage = response.get("usage") or {}
@@ -188,14 +196,7 @@ class Pipeline:
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
                              priority=_priority(body, priority), tenant=tenant.name)
-        if record is not None:
-            ctx.record = record
-            record.model, record.stream, record.tenant = ctx.model, stream, tenant.name
-        limiter = self._limiter if admit else None
-        if limiter is not None:
-            ctx.rate_headers = await limiter.requests(tenant)
-        if admit and self._early_refusal is not None:
-            self._early_refusal(ctx.priority, tenant.name)
+        limiter = await self._front(ctx, record, tenant, admit)
         started = time.perf_counter()
         await self._render(ctx, entry)
         ctx.record.render_ms = render_ms = round((time.perf_counter() - started) * 1000, 2)
@@ -205,11 +206,57 @@ class Pipeline:
         if admit and ctx.route == "tokens":  # the native route's engines compile their own grammars
             self._dispatch.check_capable(ctx)
         ctx.derender_request = request_view(ctx)
+        await self._charge_tokens(ctx, tenant, limiter)
+        return ctx
+
+    async def begin_native(self, call: NativeCall, body: Any, request_id: str, priority: int | None,
+                           record: Record | None, tenant: Tenant) -> RequestContext:
+        """``begin`` for another API's request on the native chain: the model resolved, the tenant's
+        limits and admission's early refusal applied, the prompt's size estimated (``native_api.py``)."""
+        if not isinstance(body, dict):
+            raise BadRequest("Request body must be a JSON object")
+        entry = self.catalog.resolve(body.get("model"))
+        body = {**body, "model": entry.name}
+        own = body.get("priority")  # Responses has one (vLLM's); the engine checks its type
+        ctx = RequestContext(kind="chat", request_id=request_id, body=body, model=entry.name,
+                             stream=body.get("stream") is True, include_usage=False, tenant=tenant.name,
+                             priority=own if type(own) is int else priority or 0)
+        limiter = await self._front(ctx, record, tenant, admit=True)
+        await self._render.native_api(ctx, entry, call)
+        ctx.record.prompt_tokens = sum(p.prompt_tokens for p in ctx.prompts)
+        await self._charge_tokens(ctx, tenant, limiter)
+        return ctx
+
+    async def native_count_tokens(self, call: NativeCall, body: dict[str, Any], request_id: str) -> int:
+        """``/v1/messages/count_tokens`` on the native chain: a native engine counts (exactly, with its
+        own conversion and template); without one, the sidecar's error (``call.reason``)."""
+        entry = self.catalog.resolve(body.get("model"))
+        route = self._render.native_route
+        if route is None:
+            raise call.reason
+        return await route.count_tokens(entry.name, {**body, "model": entry.name}, request_id, call.reason)
+
+    async def _front(self, ctx: RequestContext, record: Record | None, tenant: Tenant,
+                     admit: bool) -> TenantLimiter | None:
+        """What every request meets before its prompt is known: its record filled, the tenant's
+        requests per minute charged and admission's early "queue full" refusal. Returns the limiter
+        that charges its tokens after (None: no limits apply)."""
+        if record is not None:
+            ctx.record = record
+            record.model, record.stream, record.tenant = ctx.model, ctx.stream, tenant.name
+        limiter = self._limiter if admit else None
         if limiter is not None:
-            # What OpenAI counts against tokens per minute: the prompt plus every token it may write.
+            ctx.rate_headers = await limiter.requests(tenant)
+        if admit and self._early_refusal is not None:
+            self._early_refusal(ctx.priority, tenant.name)
+        return limiter
+
+    @staticmethod
+    async def _charge_tokens(ctx: RequestContext, tenant: Tenant, limiter: TenantLimiter | None) -> None:
+        """What OpenAI counts against tokens per minute: the prompt plus every token it may write."""
+        if limiter is not None:
             cost = sum(p.prompt_tokens + p.max_tokens * p.n for p in ctx.prompts)
             ctx.rate_headers.update(await limiter.tokens(tenant, cost))
-        return ctx
 
     # -- non-streaming -------------------------------------------------------------------------
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
@@ -234,6 +281,8 @@ class Pipeline:
         for plan, resp in zip(ctx.prompts, responses, strict=True):
             choices = []
             for c in resp["choices"]:
+                if ctx.kind == "completion":
+                    native_top_logprobs(c, ctx.body.get("logprobs"))
                 if stops_on_token(c, plan.stop):
                     if len(c["token_ids"]) == 1:  # derender rejects an empty choice
                         blank.add(plan.index * plan.n + int(c.get("index", 0)))
@@ -242,6 +291,9 @@ class Pipeline:
                 choices.append(c)
             trimmed.append({**resp, "choices": choices})
         out = await self._derender.batch(ctx, trimmed)
+        if token_names.wanted(ctx.body):
+            token_names.name_batch(ctx.kind, out, [(p.index, p.n, r) for p, r in zip(ctx.prompts, trimmed,
+                                                                                    strict=True)])
         out["id"] = ctx.response_id
         out["system_fingerprint"] = system_fingerprint(ctx.model)
         self._finish_choices(ctx, out, blank)
@@ -249,6 +301,7 @@ class Pipeline:
             attach_token_ids(ctx.kind, out, [(p.prompt_token_ids, p.n) for p in ctx.prompts],
                              {p.index * p.n + int(c.get("index", 0)): list(c.get("token_ids") or [])
                               for p, r in zip(ctx.prompts, responses, strict=True) for c in r["choices"]})
+        await prompt_echo.complete(ctx, out, responses, self._dispatch, self._derender)
         usage = out.get("usage") or {}
         usage["completion_tokens"] = counted
         usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + counted
@@ -291,6 +344,7 @@ class Pipeline:
                 eos_stop_reason(choice, ctx.body.get("stop_token_ids"))
             if ctx.kind == "chat":
                 tool_call_finish_reason(choice, ctx.body.get("tool_choice"))
+                answer_role(choice, ctx.body)
 
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession | NativeStream:
@@ -356,15 +410,16 @@ class StreamSession:
         self._end_reason: str | None = None  # None while the client still reads
 
     async def open(self) -> None:
+        echoes = await prompt_echo.for_streams(self.ctx, self._dispatch, self._derender)
         opened = await asyncio.gather(
             *(self._stack.enter_async_context(self._dispatch.stream(self.ctx, p)) for p in self.ctx.prompts),
             return_exceptions=True)
         errors = [o for o in opened if isinstance(o, BaseException)]
         if errors:
             raise errors[0]
-        self._streams = [(PromptStream(self.ctx, p, self._derender, coalescing=self._coalescing),
+        self._streams = [(PromptStream(self.ctx, p, self._derender, coalescing=self._coalescing, echo=echo),
                           chunks)  # type: ignore[misc]
-                         for p, chunks in zip(self.ctx.prompts, opened, strict=True)]
+                         for p, chunks, echo in zip(self.ctx.prompts, opened, echoes, strict=True)]
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Client chunks in arrival order, then the usage chunk if asked for. Raises on failure."""

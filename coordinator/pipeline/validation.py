@@ -8,7 +8,7 @@ in ``token_ids.py``; structured-output shapes in ``structured.py``), or because 
 honour a field.
 
 Strict mode refuses only what cannot be honoured: a field set to ``null`` is unset, and OpenAI fields
-at values that change nothing (``store: false``, ``echo: false``, ``best_of: 1``, ...) are accepted
+at values that change nothing (``store: false``, ``best_of: 1``, ``suffix: ""``, ...) are accepted
 and dropped. The supported field list is documented in docs/openai-api.md.
 """
 
@@ -39,8 +39,17 @@ _COMMON = frozenset({
     "bad_words",
     # Render truncates the prompt ids it returns (vLLM's renderer, with its tokenizer).
     "truncate_prompt_tokens", "truncation_side",
+    # The engine scores the prompt; derender names its tokens (derender/echo.py).
+    "echo", "prompt_logprobs",
+    # Logprob tokens named by id: renamed from the engine's ids after derender (token_names.py).
+    "return_tokens_as_token_ids",
+    # The engine applies these on ids alone (its scheduler's stop check; its configured watermark).
+    "repetition_detection", "watermarking",
+    # The engine ends reasoning after this many tokens (its --reasoning-parser; ids from its tokenizer).
+    "thinking_token_budget",
 })
 CHAT_FIELDS = _COMMON | {
+    "return_prompt_text",  # render's /detokenize of the prompt ids (prompt_echo.py)
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "documents", "include_reasoning", "reasoning_effort",
@@ -63,16 +72,17 @@ NO_OP_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (_is(False), "false"),
     "metadata": (_str_map, "an object of strings (kept only with store, which is off)"),
     "service_tier": (lambda v: v in ("auto", "default"), "'auto' or 'default'"),
-    "echo": (_is(False), "false"),
     "best_of": (_is(1), "1"),
     "suffix": (_is(""), "an empty string"),
     "modalities": (lambda v: v == ["text"], "[\"text\"]"),
     "safety_identifier": (lambda v: isinstance(v, str), "a string"),
     "prompt_cache_key": (lambda v: isinstance(v, str), "a string"),
+    # vLLM: "ignored on regular generation endpoints" (only render answers offsets).
+    "return_token_offsets": (lambda v: isinstance(v, bool), "a boolean (vLLM ignores it here)"),
 }
 _CHAT_ONLY_NO_OPS = frozenset({"store", "metadata", "service_tier", "modalities", "safety_identifier",
                                "prompt_cache_key"})
-_COMPLETION_ONLY_NO_OPS = frozenset({"echo", "best_of", "suffix"})
+_COMPLETION_ONLY_NO_OPS = frozenset({"best_of", "suffix"})
 
 # OpenAI's message roles (plus Llama 3's ``ipython`` tool-result role, which chat templates use).
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
@@ -161,6 +171,10 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "priority": _num("priority", INT64_MIN, INT64_MAX, integer=True),
     "stream": _bool("stream"),
     "ignore_eos": _bool("ignore_eos"),
+    "watermarking": _bool("watermarking"),
+    "repetition_detection": lambda v: _object("repetition_detection", v),
+    "echo": _bool("echo"),
+    "prompt_logprobs": _num("prompt_logprobs", -1, 20, integer=True),
     "include_stop_str_in_output": _bool("include_stop_str_in_output"),
     "skip_special_tokens": _bool("skip_special_tokens"),
     "stop": _stop,
@@ -186,6 +200,11 @@ def _strings(name: str, v: Any) -> None:
 def _one_of(name: str, v: Any, allowed: tuple[str, ...]) -> None:
     if v not in allowed:
         raise BadRequest(f"'{name}' must be one of {', '.join(map(repr, allowed))}", param=name)
+
+
+def _object(name: str, v: Any) -> None:
+    if not isinstance(v, dict):
+        raise BadRequest(f"'{name}' must be an object", param=name)
 
 
 def _string(name: str, v: Any) -> None:
@@ -215,6 +234,8 @@ def validate_request(kind: Kind, body: Any, *, strict: bool) -> dict[str, Any]:
         _check_prompt(body.get("prompt"))
     for key, value in body.items():
         check = _CHECKS.get(key)
+        if key == "max_tokens" and value == 0 and kind == "completion" and body.get("echo") is True:
+            continue  # the prompt alone (vLLM runs one step and returns only the echo)
         if check is not None and value is not None:
             check(value)
     if kind == "chat":

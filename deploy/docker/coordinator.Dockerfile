@@ -5,8 +5,7 @@
 #
 # Build from the repository root (the context needs pyproject.toml, README.md and coordinator/):
 #   docker build -f deploy/docker/coordinator.Dockerfile -t llm-coordinator:0.1.0 .
-#   docker build -f deploy/docker/coordinator.Dockerfile --build-arg EXTRAS=local-tokenizer \
-#     -t llm-coordinator:0.1.0-local-tokenizer .
+#   docker build -f deploy/docker/coordinator.Dockerfile --build-arg EXTRAS= -t llm-coordinator:0.1.0-bare .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # Build a wheel in a throw-away stage, so the source tree and build tools stay out of the image.
@@ -19,9 +18,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="llm-coordinator" \
       org.opencontainers.image.description="OpenAI-compatible coordinator in front of token-only vLLM engines"
-# Optional extras, comma-separated: local-tokenizer (transformers, for the render fallback when every
-# render sidecar is down), tracing (OpenTelemetry). Empty: the bare coordinator.
-ARG EXTRAS=""
+# Extras, comma-separated: local-tokenizer (transformers without torch: the render fallback and the
+# native chain size requests with it when every render sidecar is down; on by default, since the
+# overlays' engines serve their own API), tracing (OpenTelemetry). Empty: the bare coordinator.
+ARG EXTRAS="local-tokenizer"
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/tmp/hf \

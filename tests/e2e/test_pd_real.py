@@ -111,3 +111,38 @@ def test_short_prompt_skips_remote_prefill(vllm_stack: VllmStack, pd_pair: Any) 
                              "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert counter(prefill.url, "vllm:request_success") == prefill_requests
+
+
+def scored(r: httpx.Response, stream: bool) -> tuple[str, list[str], list[float | None]]:
+    """Text, logprob tokens and token logprobs of a one-choice completion, JSON or SSE."""
+    chunks = [e for e in sse_events(r) if isinstance(e, dict)] if stream else [r.json()]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    return text, [t for lp in lps for t in lp["tokens"]], [v for lp in lps for v in lp["token_logprobs"]]
+
+
+def test_prompt_scoring_in_a_pd_fleet_equals_union(vllm_stack: VllmStack, pd_pair: Any) -> None:
+    """Prompt logprobs need one engine to compute the whole prompt (a decode engine handed the KV
+    never does): echo with logprobs, JSON and streamed, is scored decode-only (no prefill leg) and
+    equals a union engine's."""
+    prefill, decode = pd_pair
+    engines = [{"url": prefill.url, "role": "prefill"}, {"url": decode.url, "role": "decode"}]
+    pd_settings = make_settings(vllm_stack.render_url, [], engines=engines,
+                                topology={"mode": "handoff", "pd_min_uncached_tokens": 0})
+    union_settings = make_settings(vllm_stack.render_url, [vllm_stack.engine.url])
+    prompt = " ".join(f"Fact {i}: the lighthouse keeper counted {i * 7} ships." for i in range(30))
+    prefill_requests = counter(prefill.url, "vllm:request_success")
+    with CoordinatorServer(pd_settings) as pd, CoordinatorServer(union_settings) as union:
+        for extra in ({}, {"stream": True}):
+            body = {"model": SERVED, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+                    "logprobs": 1, **extra}
+            got = httpx.post(f"{pd.url}/v1/completions", json=body, timeout=180)
+            want = httpx.post(f"{union.url}/v1/completions", json=body, timeout=180)
+            assert got.status_code == want.status_code == 200, got.text
+
+            g, w = scored(got, bool(extra)), scored(want, bool(extra))
+            assert g[0] == w[0] and g[0].startswith(prompt)
+            assert g[1] == w[1] and len(g[1]) > 100 and g[2][0] is None
+            assert g[2][1:] == pytest.approx(w[2][1:], abs=0.02)
+            if not extra:  # the scoring request itself never had a prefill leg (the stream's rest may)
+                assert counter(prefill.url, "vllm:request_success") == prefill_requests

@@ -7,10 +7,15 @@
   use render again once it is back.
 * A 4xx from render is the client's error: returned as is, never retried through the fallback.
 * Engines answering a bare 404 on ``/inference/v1/generate``: the request takes the native route.
+* Render off (``render.enable: false``, the RFC's switch): no sidecar at all, every request tokenized
+  locally and answered by the engine's own API, equal to the normal path, with no fallback warnings.
+* Messages and Responses without the sidecar (down or off): the native chain, the client's body to the
+  engine's own ``/v1/messages`` and ``/v1/responses``, equal to that engine's answer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -28,7 +33,7 @@ from starlette.routing import Route
 
 from coordinator.config import EngineSettings, ModelSettings
 from tests.conftest import MAX_MODEL_LEN, SERVED, CoordinatorFactory, VllmStack, make_settings
-from tests.support import CoordinatorServer, free_port, sse_events, streamed_text, wait_until
+from tests.support import CoordinatorServer, free_port, generate_calls, sse_events, streamed_text, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +49,12 @@ def chat(**extra: Any) -> dict[str, Any]:
 def completion(**extra: Any) -> dict[str, Any]:
     return {"model": "gpt-4o-mini", "prompt": "The capital of France is", "temperature": 0,
             "max_tokens": 12, **extra}
+
+
+# Chat and completions, JSON and SSE: what each native-route test sends.
+EVERY_FORM = [("/v1/chat/completions", chat(), "chat"), ("/v1/chat/completions", chat(stream=True), "chat"),
+              ("/v1/completions", completion(), "completion"),
+              ("/v1/completions", completion(stream=True), "completion")]
 
 
 def models(model_dir: Path) -> list[ModelSettings]:
@@ -93,10 +104,7 @@ def test_render_unreachable_from_start_answers_through_local_tokenizer_and_nativ
     caplog.set_level(logging.INFO, logger="coordinator")
     coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], engines=engines(vllm_stack),
                                 models=models(model_dir))
-    for path, body, kind in [("/v1/chat/completions", chat(), "chat"),
-                             ("/v1/chat/completions", chat(stream=True), "chat"),
-                             ("/v1/completions", completion(), "completion"),
-                             ("/v1/completions", completion(stream=True), "completion")]:
+    for path, body, kind in EVERY_FORM:
         expected = text_of(ask(normal, path, body), kind)
         r = httpx.post(f"{coord.url}{path}", json=body, headers={"X-Request-Id": "fb-1"}, timeout=180)
         assert r.status_code == 200, r.text
@@ -112,6 +120,28 @@ def test_render_unreachable_from_start_answers_through_local_tokenizer_and_nativ
     assert rendered and "tokenizer_source=local" in rendered[0] and "route=native" in rendered[0]
     ready = httpx.get(f"{coord.url}/ready", timeout=10).json()
     assert ready["render"] is False and ready["render_fallback"] is True and ready["ready"] is True
+    assert_nothing_held(coord)
+
+
+def test_render_off_sends_every_request_down_the_native_chain(
+        vllm_stack: VllmStack, normal: CoordinatorServer, model_dir: Path,
+        coordinator_factory: CoordinatorFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """No sidecar runs at the configured address, and none is asked: not a fallback but the route."""
+    caplog.set_level(logging.INFO, logger="coordinator")
+    coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], render={"enable": False},
+                                engines=[EngineSettings(url=vllm_stack.native.url, native_api=True)],
+                                models=models(model_dir))
+    for path, body, kind in EVERY_FORM:
+        expected = text_of(ask(normal, path, body), kind)
+        r = ask(coord, path, body)
+        assert route_of(r) == ("native", "local")
+        assert text_of(r, kind) == expected != ""
+    messages = httpx.post(f"{coord.url}/v1/messages", json={
+        "model": SERVED, "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}, timeout=60)
+    assert messages.status_code == 200 and route_of(messages) == ("native", "local"), messages.text
+    assert not [r for r in caplog.records if "event=render_fallback" in r.getMessage()]
+    ready = httpx.get(f"{coord.url}/ready", timeout=10).json()
+    assert ready["render"] == "off" and ready["ready"] is True
     assert_nothing_held(coord)
 
 
@@ -242,17 +272,93 @@ def test_engines_without_the_token_route_fall_back_to_the_native_route(
         assert_nothing_held(coord)
 
 
-def test_responses_and_messages_need_the_render_sidecar(
+MESSAGES = {"model": SERVED, "max_tokens": 16, "temperature": 0, "system": "Answer briefly.",
+            "messages": [{"role": "user", "content": QUESTION}]}
+RESPONSES = {"model": SERVED, "max_output_tokens": 16, "temperature": 0, "instructions": "Answer briefly.",
+             "input": QUESTION}
+
+
+def messages_text(r: httpx.Response) -> str:
+    if r.headers["content-type"].startswith("text/event-stream"):
+        return "".join(e["delta"].get("text", "") for e in anthropic_events(r) if e["type"] == "content_block_delta")
+    return "".join(b.get("text", "") for b in r.json()["content"])
+
+
+def responses_text(r: httpx.Response) -> str:
+    if r.headers["content-type"].startswith("text/event-stream"):
+        return "".join(e["delta"] for e in anthropic_events(r) if e["type"] == "response.output_text.delta")
+    return "".join(c["text"] for item in r.json()["output"] if item["type"] == "message"
+                   for c in item["content"] if c["type"] == "output_text")
+
+
+def anthropic_events(r: httpx.Response) -> list[dict[str, Any]]:
+    """``event: <type>`` + ``data: <json>`` frames (Messages and Responses), the name checked."""
+    out = []
+    for block in r.text.strip().split("\n\n"):
+        name, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}", block
+        out.append(event)
+    return out
+
+
+NATIVE_APIS = [("/v1/messages", MESSAGES, messages_text), ("/v1/responses", RESPONSES, responses_text)]
+
+
+@pytest.mark.parametrize("render", ["down", "off"])
+def test_responses_and_messages_take_the_engines_own_api_without_the_sidecar(
+        render: str, vllm_stack: VllmStack, model_dir: Path, coordinator_factory: CoordinatorFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The RFC's native chain: with render down or off, ``/v1/messages`` and ``/v1/responses`` go as
+    they are to a ``native_api`` engine's own routes, admitted and placed like any request, and the
+    answer equals the same engine's, JSON and SSE, event for event."""
+    caplog.set_level(logging.INFO, logger="coordinator")
+    coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], engines=engines(vllm_stack),
+                                models=models(model_dir), render={"enable": render == "down"})
+    token_calls = generate_calls(vllm_stack.engine.url)
+    for path, body, text in NATIVE_APIS:
+        for stream in (False, True):
+            sent = {**body, "stream": stream}
+            direct = httpx.post(f"{vllm_stack.native.url}{path}", json=sent, timeout=120)
+            assert direct.status_code == 200, direct.text
+            r = httpx.post(f"{coord.url}{path}", json={**sent, "model": "gpt-4o-mini"}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert route_of(r) == ("native", "local")
+            assert text(r) == text(direct) != ""
+            if stream:
+                kinds = [e["type"] for e in anthropic_events(r)]
+                assert kinds == [e["type"] for e in anthropic_events(direct)], kinds
+    count = {k: v for k, v in MESSAGES.items() if k not in ("max_tokens", "temperature")}
+    direct = httpx.post(f"{vllm_stack.native.url}/v1/messages/count_tokens", json=count, timeout=60)
+    ours = httpx.post(f"{coord.url}/v1/messages/count_tokens", json={**count, "model": "gpt-4o-mini"}, timeout=60)
+    assert ours.status_code == direct.status_code == 200, (ours.text, direct.text)
+    assert ours.json()["input_tokens"] == direct.json()["input_tokens"] > 5
+    chains = [r.getMessage() for r in caplog.records if "event=native_api" in r.getMessage()]
+    assert len(chains) == 4 and "api=messages" in chains[0] and "prompt_tokens=" in chains[0]
+    assert generate_calls(vllm_stack.engine.url) == token_calls  # the token-only engine saw none
+    assert_nothing_held(coord)
+
+
+def test_native_chain_errors_keep_each_apis_shape(
         vllm_stack: VllmStack, model_dir: Path, coordinator_factory: CoordinatorFactory) -> None:
-    """The fallback covers chat and completions only (docs/responses-api.md, docs/anthropic-api.md):
-    with render down, Responses and Messages answer a 502 naming the sidecar in their own error shape,
-    and nothing reaches an engine."""
+    """The client's mistake is the engine's 4xx in the API's own error shape; with no engine serving
+    the API the answer is a 502 naming the sidecar, and nothing reaches an engine."""
     coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], engines=engines(vllm_stack),
                                 models=models(model_dir))
-    r = httpx.post(f"{coord.url}/v1/responses", json={"model": SERVED, "input": "hi"}, timeout=30)
+    no_budget = {k: v for k, v in MESSAGES.items() if k != "max_tokens"}
+    m = httpx.post(f"{coord.url}/v1/messages", json=no_budget, timeout=30)
+    assert m.status_code == 400 and m.json()["error"]["type"] == "invalid_request_error", m.text
+    bad = httpx.post(f"{coord.url}/v1/messages", json={**MESSAGES, "messages": "hi"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["type"] == "error", bad.text
+    r = httpx.post(f"{coord.url}/v1/responses", json={**RESPONSES, "temperature": "hot"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", r.text
+    token_only = coordinator_factory(f"http://127.0.0.1:{free_port()}", [vllm_stack.engine.url],
+                                     models=models(model_dir))
+    r = httpx.post(f"{token_only.url}/v1/responses", json=RESPONSES, timeout=30)
     assert r.status_code == 502 and "render sidecar" in r.json()["error"]["message"], r.text
-    m = httpx.post(f"{coord.url}/v1/messages", timeout=30,
-                   json={"model": SERVED, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert "native_api" in r.json()["error"]["message"]
+    m = httpx.post(f"{token_only.url}/v1/messages", json=MESSAGES, timeout=30)
     assert m.status_code == 502 and m.json()["error"]["type"] == "api_error", m.text
     assert route_of(ask(coord, "/v1/chat/completions", chat())) == ("native", "local")  # the fallback is up
     assert_nothing_held(coord)
+    assert_nothing_held(token_only)

@@ -355,3 +355,24 @@ def test_return_token_ids_gives_prompt_and_completion_ids_as_native(
     ours = ids(post(coord.url, path, {**full, "stream": stream}), stream)
     native = ids(post(vllm_stack.native.url, path, {**full, "stream": stream}), stream)
     assert ours == native and ours[0] and ours[1], (ours, native)
+
+
+def test_a_client_leaving_a_constrained_stream_aborts_it_on_the_scale_out_engine(
+        vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
+    """Aborts reach an ``--enable-scale-out`` engine as they reach a token-only one (its
+    ``/inference/v1/abort_requests``; closing the stream alone also aborts in vLLM): the grammar's
+    engine stops generating within a second of the client leaving."""
+    proc = vllm_stack.native.process
+    mark = proc.line_count()
+    body = chat(stream=True, max_tokens=1500, structured_outputs={"regex": "(yes ){1000}"})
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{coord.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "leave-so"}) as resp:
+        assert resp.status_code == 200
+        frames = 0
+        for line in resp.iter_lines():
+            frames += line.startswith("data: ")
+            if frames >= 3:
+                break
+    line = proc.wait_for_line(r"Aborted request\(s\) generate-tokens-chatcmpl-leave-so", timeout=1.5, since=mark)
+    assert line is not None, f"no abort within 1.5 s of the client leaving:\n{proc.tail()}"
+    assert coord.wait_idle() == 0

@@ -173,6 +173,33 @@ def test_priority_header_and_field_order_the_queue(render_sidecar: Any,
         assert wait_until(lambda: released(coord))
 
 
+def test_the_clients_priority_orders_the_engines_own_queue(render_sidecar: Any,
+                                                            coordinator_factory: CoordinatorFactory) -> None:
+    """An engine run with ``--scheduling-policy priority`` orders what waits in it by the request's
+    ``priority``: the coordinator passes the client's on, from the body or the priority header."""
+    with sims(1, decode_s_per_token=0.004, max_concurrency=1, scheduling_policy="priority") as (sim,):
+        coord = coordinator_factory(render_sidecar.url, [sim.url])  # no coordinator queue: all reach it
+        url = f"{coord.url}/v1/chat/completions"
+        done: list[str] = []
+
+        def send(tag: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+            r = httpx.post(url, json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            done.append(tag)
+
+        threads = [in_background(send, "running", chat(max_tokens=150))[0]]
+        assert wait_until(lambda: len(sim.state()["running"]) == 1)
+        for tag, body, headers in [("default", chat(max_tokens=30), None),
+                                   ("header", chat(max_tokens=30), {"X-Request-Priority": "-2"}),
+                                   ("field", chat(max_tokens=30, priority=-5), None)]:
+            threads.append(in_background(send, tag, body, headers)[0])
+            waiting = len(threads) - 1
+            assert wait_until(lambda n=waiting: len(sim.state()["waiting"]) == n)  # type: ignore[misc]
+        for t in threads:
+            t.join(30)
+        assert done == ["running", "field", "header", "default"]
+
+
 def test_bad_priority_header_is_400(render_sidecar: Any, two: list[SimulatedEngine],
                                     coordinator_factory: CoordinatorFactory) -> None:
     coord = coordinator_factory(render_sidecar.url, [two[0].url])

@@ -62,3 +62,22 @@ def test_a_wildcard_metaserver_needs_an_address_engines_can_reach() -> None:
         load_settings(topology={"trigger": {"host": "0.0.0.0"}})
     s = load_settings(topology={"trigger": {"host": "0.0.0.0", "advertise_host": "10.1.2.3"}})
     assert s.topology.trigger.advertise_host == "10.1.2.3"
+
+
+def test_render_off_needs_an_engine_that_answers_on_its_own_api(tmp_path: Path) -> None:
+    """``render.enable: false`` sends every request to an engine's OpenAI API: a fleet of token-only
+    engines could answer none, and obfuscation would hand the engines plain text. The coordinator
+    refuses to start with either."""
+    from coordinator.app import build_components
+
+    off = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000"}])
+    assert "native_api" in (off.render_off_problem() or "")
+    with pytest.raises(ValueError, match="native_api"):
+        build_components(off)
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * 32)
+    hidden = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000", "native_api": True}],
+                           obfuscation={"enabled": True, "key_file": str(key)})
+    assert "obfuscation" in (hidden.render_off_problem() or "")
+    ok = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000", "native_api": True}])
+    assert ok.render_off_problem() is None

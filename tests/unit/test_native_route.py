@@ -273,3 +273,109 @@ def test_what_an_engine_status_means_for_the_token_route(status: int, body: Any,
                     breaker=CircuitBreaker(3, 10.0))
     with pytest.raises(expected):
         _raise_for_status(engine, status, body)
+
+
+# -- the native chain: Messages and Responses bodies to the engines' own routes ------------------
+
+def api_ctx(api: str, body: dict[str, Any], stream: bool) -> RequestContext:
+    c = RequestContext(kind="chat", request_id="abc", body={"model": MODEL, **body, "stream": stream},
+                       model=MODEL, stream=stream, include_usage=False)
+    c.prompts = [PromptPlan(0, {"sampling_params": {"max_tokens": 7}}, [1, 2, 3], 1, StopSpec(()))]
+    c.route, c.native_api = "native", api  # type: ignore[assignment]
+    return c
+
+
+MESSAGE_EVENTS = [{"type": "message_start", "message": {"id": "msg_engine"}},
+                  {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Paris"}},
+                  {"type": "message_stop"}]
+
+
+def messages_engine(seen: list[tuple[str, dict[str, Any]]]) -> Handler:
+    """vLLM's ``/v1/messages``: named events and no ``[DONE]`` (the stream just ends)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if body["stream"]:
+            frames = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in MESSAGE_EVENTS)
+            return httpx.Response(200, text=frames, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"id": "msg_engine", "type": "message", "content": [
+            {"type": "text", "text": "Paris"}], "usage": {"input_tokens": 3, "output_tokens": 1}})
+    return handler
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_messages_body_goes_to_the_engines_messages_route_as_it_is(stream: bool) -> None:
+    """The engine's answer keeps its own ids and shape; a stream without ``[DONE]`` ends at
+    ``message_stop`` (not a broken stream), and everything is released."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    r, registry = route(settings(EngineSettings(url="http://a"), EngineSettings(url="http://b", native_api=True)),
+                        messages_engine(seen))
+    body = {"max_tokens": 5, "system": "brief", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go() -> Any:
+        c = api_ctx("messages", body, stream)
+        if not stream:
+            return await r.complete(c)
+        s = await r.open_stream(c)
+        try:
+            return [e async for e in s.events()]
+        finally:
+            await s.aclose()
+
+    out = asyncio.run(go())
+    if stream:
+        assert out == MESSAGE_EVENTS
+    else:
+        assert out["id"] == "msg_engine" and out["content"][0]["text"] == "Paris"
+    assert seen == [("/v1/messages", {"model": MODEL, **body, "stream": stream})]  # max_tokens: the client's
+    assert held(registry) == 0 and r.client.open_streams == 0
+
+
+def test_a_responses_body_without_a_budget_gets_what_admission_reserved() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        assert request.url.path == "/v1/responses"
+        return httpx.Response(200, json={"id": "resp_engine", "object": "response", "output": []})
+
+    r, registry = route(settings(EngineSettings(url="http://b", native_api=True)), handler)
+    out = asyncio.run(r.complete(api_ctx("responses", {"input": "hi"}, False)))
+    assert out["id"] == "resp_engine" and seen[0]["max_output_tokens"] == 7 and "max_tokens" not in seen[0]
+    assert held(registry) == 0
+
+
+def test_a_native_stream_that_ends_before_its_last_event_is_broken() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        frames = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in MESSAGE_EVENTS[:2])
+        return httpx.Response(200, text=frames, headers={"content-type": "text/event-stream"})
+
+    r, registry = route(settings(EngineSettings(url="http://b", native_api=True)), handler)
+
+    async def go() -> list[dict[str, Any]]:
+        s = await r.open_stream(api_ctx("messages", {"max_tokens": 5, "messages": []}, True))
+        got: list[dict[str, Any]] = []
+        try:
+            with pytest.raises(UpstreamUnavailable, match="without"):
+                async for e in s.events():
+                    got.append(e)
+        finally:
+            await s.aclose()
+        return got
+
+    assert len(asyncio.run(go())) == 2 and held(registry) == 0
+
+
+def test_the_transcript_is_the_prompt_text_in_template_order() -> None:
+    """System, tools, then the turns; ids, roles and media payloads are no prompt text."""
+    from coordinator.pipeline.native_api import transcript_parts
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                      {"type": "image", "source": {"data": "QUJD" * 999}}]},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "find",
+                                                            "input": {"q": "cats"}}]}],
+            "system": "brief", "tools": [{"name": "find", "description": "search"}], "max_tokens": 9}
+    assert list(transcript_parts("messages", body)) == ["brief", "find", "search", "look", "find", "cats"]
+    responses = {"input": [{"type": "function_call_output", "call_id": "c1", "output": "42"}],
+                 "instructions": "be kind"}
+    assert list(transcript_parts("responses", responses)) == ["be kind", "42"]

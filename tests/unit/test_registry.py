@@ -413,6 +413,17 @@ async def test_discovery_builds_engine_settings() -> None:
     assert [e.kv_events for e in await DnsDiscovery(discovery(), res).discover()] == [None] * 3
 
 
+async def test_discovered_engines_may_serve_their_own_api(make: Callable[..., EngineRegistry]) -> None:
+    """``discovery[].native_api`` marks every engine found under the name, so a Kubernetes fleet has
+    a render fallback; and render off is accepted with such an entry alone."""
+    reg = make(settings(discovery=discovery(native_api=True)), resolver=Resolver("10.0.0.1", "10.0.0.2"))
+    await reg.discover_once()
+    assert [e.native_api for e in reg.engines] == [True, True]
+    off = Settings(render={"enable": False}, discovery=[discovery(native_api=True)])
+    assert off.render_off_problem() is None
+    assert "native_api" in str(Settings(render={"enable": False}, discovery=[discovery()]).render_off_problem())
+
+
 async def test_discovery_merges_with_static_engines(make: Callable[..., EngineRegistry], fleet: Fleet,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     res = Resolver("10.0.0.1", "10.0.0.2")

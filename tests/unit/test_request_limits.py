@@ -99,20 +99,44 @@ def test_no_op_openai_fields_are_accepted_in_strict_mode(extra: dict) -> None:
     assert not {"store", "metadata", "service_tier", "modalities", "safety_identifier"} & set(body)
 
 
-@pytest.mark.parametrize("extra", [{"echo": False}, {"best_of": 1}, {"suffix": None}, {"suffix": ""}])
+@pytest.mark.parametrize("extra", [{"best_of": 1}, {"suffix": None}, {"suffix": ""}])
 def test_no_op_completion_fields_are_accepted(extra: dict) -> None:
     body = validate_request("completion", {"model": "m", "prompt": "x", **extra}, strict=True)
-    assert not {"echo", "best_of", "suffix"} & set(body)
+    assert not {"best_of", "suffix"} & set(body)
+
+
+@pytest.mark.parametrize(("kind", "extra"), [
+    ("completion", {"echo": True, "logprobs": 1, "max_tokens": 0}),  # the prompt alone, scored
+    ("completion", {"prompt_logprobs": -1}),
+    ("chat", {"echo": True, "add_generation_prompt": False}),
+    ("chat", {"prompt_logprobs": 5}),
+])
+def test_echo_and_prompt_logprobs_go_to_render(kind: str, extra: dict) -> None:
+    base = CHAT if kind == "chat" else {"model": "m", "prompt": "x"}
+    body = validate_request(kind, {**base, **extra}, strict=True)  # type: ignore[arg-type]
+    assert {k: body[k] for k in extra} == extra
+
+
+@pytest.mark.parametrize(("kind", "extra", "param"), [
+    ("completion", {"echo": "yes"}, "echo"),
+    ("completion", {"max_tokens": 0}, "max_tokens"),  # only with echo (vLLM's rule)
+    ("chat", {"echo": True, "max_tokens": 0}, "max_tokens"),
+    ("completion", {"prompt_logprobs": -2}, "prompt_logprobs"),
+])
+def test_bad_echo_values_are_400s_naming_the_field(kind: str, extra: dict, param: str) -> None:
+    base = CHAT if kind == "chat" else {"model": "m", "prompt": "x"}
+    with pytest.raises(BadRequest) as info:
+        validate_request(kind, {**base, **extra}, strict=True)  # type: ignore[arg-type]
+    assert info.value.param == param
 
 
 @pytest.mark.parametrize(("kind", "extra", "param"), [
     ("chat", {"store": True}, "store"),
     ("chat", {"service_tier": "flex"}, "service_tier"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
-    ("completion", {"echo": True}, "echo"),
     ("completion", {"best_of": 3}, "best_of"),
     ("completion", {"suffix": "end"}, "suffix"),
-    ("chat", {"echo": False}, "echo"),  # a completions-only field on chat is still unknown
+    ("chat", {"best_of": 1}, "best_of"),  # a completions-only field on chat is still unknown
     ("chat", {"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
 ])
 def test_fields_we_cannot_honour_are_still_400s(kind: str, extra: dict, param: str) -> None:
@@ -158,6 +182,11 @@ def test_operator_flags_are_not_shown_to_clients() -> None:
     msg = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
     err = UpstreamClientError(400, {"error": {"message": msg, "type": "BadRequestError"}}, "x")
     assert "--" not in err.message and err.param == "tool_choice" and err.hint == msg
+    # An engine without a reasoning parser refuses a thinking budget naming the flag (vLLM 0.32).
+    msg = ("thinking_token_budget is set but reasoning_config is not configured. Please set "
+           "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.")
+    err = UpstreamClientError(400, {"error": {"message": msg, "type": "BadRequestError"}}, "x")
+    assert err.param == "thinking_token_budget" and "'thinking_token_budget' is not supported" in err.message
 
 
 # ------------------------------------------------------------------------------ request ids

@@ -147,6 +147,15 @@ def test_handoff_places_a_prefill_and_a_decode_engine() -> None:
     assert metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": "handoff"}) == 1
 
 
+def test_a_request_scoring_its_prompt_is_never_split_into_pd_legs() -> None:
+    """Prompt logprobs come from the engine that computes the prompt: a decode engine handed the
+    prompt's KV by a prefill engine never does, so the decode engine prefills it itself."""
+    sched, _reg, _index, metrics = make(PD, pd_min=64)
+    placement = sched.place(req(PROMPT, scores_prompt=True))
+    assert placement is not None and placement.prefill is None and placement.engine.role == "decode"
+    assert metrics.registry.get_sample_value("coordinator_pd_decisions_total", {"path": "decode_only"}) == 1
+
+
 def test_conditional_pd_skips_prefill_when_the_decode_engine_has_the_prompt() -> None:
     sched, _reg, index, metrics = make(PD, learn=False, pd_min=64)
     index.add("http://d1:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))

@@ -1,7 +1,9 @@
 """Thin Anthropic Messages routes: convert the request to chat → the chat pipeline → write Anthropic.
 
 A Messages request takes the whole chat path (``pipeline/messages/translate.py``); only the way
-credentials arrive, errors look and the answer is written differ (docs/anthropic-api.md).
+credentials arrive, errors look and the answer is written differ (docs/anthropic-api.md). When the
+sidecar cannot convert it, it goes as it is to an engine's own ``/v1/messages`` (the native chain,
+``pipeline/native_api.py``) and the engine's answer comes back as it is.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from fastapi.responses import JSONResponse
 
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.body import read_json_body
-from coordinator.api.door import OnError, Wire, client_request_id, serve_http
+from coordinator.api.door import OnError, Prepared, Wire, client_request_id, passthrough_wire, serve_http
 from coordinator.config import Settings
 from coordinator.observability.record import Record
 from coordinator.pipeline.admission.tenants import Tenant
+from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.messages.convert import MessageStream, error_event, to_message
 from coordinator.pipeline.messages.translate import MessagesTranslator, in_messages_terms
@@ -75,11 +78,26 @@ async def message_events(session: ChunkStream, on_error: OnError, record: Record
     record.complete()
 
 
+def stream_error(exc: PipelineError | None) -> dict[str, Any]:
+    """Anthropic's ``error`` event for a failure after the stream started."""
+    if exc is None:
+        return error_event("api_error", "Internal server error")[1]
+    exc = in_messages_terms(exc)
+    return error_event(error_type(exc.status), exc.message)[1]
+
+
 def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKeyCheck,
                  settings: Settings) -> APIRouter:
     router = APIRouter()
     wire = Wire(error=error_response, body=lambda chat, _: to_message(chat),
                 stream=lambda session, on_error, record, _: message_events(session, on_error, record))
+    native_wire = passthrough_wire(error_response, stream_error)
+
+    async def prepare(body: Any, request_id: str) -> Any:
+        try:
+            return await translator.chat(body, request_id)
+        except ConversionUnavailable as exc:
+            return Prepared(body, native_wire, native=exc.call)
 
     def authorize(request: Request) -> Tenant:
         """Anthropic clients send ``x-api-key``; ``Authorization: Bearer`` works too."""
@@ -89,7 +107,7 @@ def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKe
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await serve_http(request, pipeline, settings, kind="chat", operation=OPERATION,
-                                authorize=authorize, wire=wire, prepare=translator.chat)
+                                authorize=authorize, wire=wire, prepare=prepare)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
@@ -101,8 +119,11 @@ def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKe
             body = await read_json_body(request.stream(), max_bytes=settings.server.max_body_bytes,
                                         max_depth=settings.limits.max_json_depth,
                                         timeout_s=settings.limits.body_timeout_s)
-            chat = await translator.count_tokens_chat(body, request_id)
-            tokens = await pipeline.prompt_tokens("chat", chat, request_id)
+            try:
+                chat = await translator.count_tokens_chat(body, request_id)
+                tokens = await pipeline.prompt_tokens("chat", chat, request_id)
+            except ConversionUnavailable as exc:  # the native chain: an engine counts
+                tokens = await pipeline.native_count_tokens(exc.call, body, request_id)
         except PipelineError as exc:
             return error_response(exc, request_id)
         return JSONResponse({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}},

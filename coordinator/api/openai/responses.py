@@ -2,7 +2,9 @@
 
 A Responses request takes the whole chat path (``pipeline/responses/translate.py``); what differs
 is the answer: the response object vLLM echoes for the request, output items instead of a message,
-and a typed event stream (docs/openai-api.md, "Responses").
+and a typed event stream (docs/openai-api.md, "Responses"). When the sidecar cannot convert it, it
+goes as it is to an engine's own ``/v1/responses`` (the native chain, ``pipeline/native_api.py``)
+and the engine's answer comes back as it is.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from coordinator.api.auth import ApiKeyCheck
-from coordinator.api.door import OnError, Prepared, Wire, serve_http
+from coordinator.api.door import OnError, Prepared, Wire, passthrough_wire, serve_http
 from coordinator.api.openai.errors import error_response
 from coordinator.config import Settings
 from coordinator.observability.record import Record
 from coordinator.pipeline.admission.tenants import Tenant
+from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.native_route import ChunkStream
@@ -70,6 +73,14 @@ async def response_events(form: ResponsesForm, session: ChunkStream, on_error: O
     record.complete()
 
 
+def stream_error(exc: PipelineError | None) -> dict[str, Any]:
+    """The Responses ``error`` event for a failure after the stream started (no sequence number: the
+    engine's events carry theirs)."""
+    err = in_responses_terms(exc) if exc is not None else None
+    return {"type": "error", "code": err.type if err else "InternalServerError",
+            "message": err.message if err else "Internal server error", "param": err.param if err else None}
+
+
 def wire_for(form: ResponsesForm) -> Wire:
     """How one Responses request's answer is written (it echoes that request's fields)."""
     return Wire(error=responses_error, body=lambda chat, ctx: to_response(form, chat, ctx),
@@ -87,8 +98,13 @@ def build_router(pipeline: Pipeline, translator: ResponsesTranslator, auth: ApiK
     def authorize(request: Request) -> Tenant:
         return auth(request.headers.get("authorization"))
 
+    native_wire = passthrough_wire(responses_error, stream_error)
+
     async def prepare(body: Any, request_id: str) -> Prepared:
-        form = await translator.form(body, request_id)
+        try:
+            form = await translator.form(body, request_id)
+        except ConversionUnavailable as exc:
+            return Prepared(body, native_wire, native=exc.call)
         return Prepared(form.chat, wire_for(form))
 
     @router.post("/v1/responses")

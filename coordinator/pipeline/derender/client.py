@@ -13,6 +13,7 @@ import msgspec
 
 from coordinator.observability import tracing
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender.echo import decode_body
 from coordinator.pipeline.derender.features import FeatureBook
 from coordinator.pipeline.errors import DerenderRejected, DerenderUnavailable
 from coordinator.pipeline.sidecar import Affinity, SidecarClient, encode
@@ -147,6 +148,38 @@ class Derenderer:
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderUnavailable("derender returned an unexpected body")
         return out
+
+
+    async def decode_prompt(self, ctx: RequestContext, plan: PromptPlan,
+                            prompt_logprobs: list[Any] | None) -> tuple[str, list[dict[str, Any]]]:
+        """The prompt's text and, when the engine scored the prompt, one decoded logprob entry per
+        position (``echo.decode_body``). Batch chat derender decodes without a parser unless the
+        sidecar runs one, which then needs a request; the parsed message is not used, only its text."""
+        body: dict[str, Any] = {"model": ctx.model, "prompt_token_ids": [],
+                                "generate_response": decode_body(plan.prompt_token_ids, prompt_logprobs)}
+        features = await self.features.ensure()
+        if features.parsers:
+            body["chat_request"] = {"model": ctx.model, "messages": [{"role": "user", "content": ""}],
+                                    "logprobs": prompt_logprobs is not None}
+        out = await self._sidecar.post("/v1/chat/completions/derender", body, request_id=ctx.request_id,
+                                       stage="derender")
+        try:
+            choice = out["choices"][0]
+            text = (choice.get("message") or {}).get("content") or ""
+            content = (choice.get("logprobs") or {}).get("content") or []
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise DerenderUnavailable("derender returned an unexpected body for the prompt") from None
+        return str(text), list(content)
+
+
+    async def prompt_text(self, ctx: RequestContext, plan: PromptPlan) -> str:
+        """The templated prompt as text (chat ``return_prompt_text``): render's ``/detokenize`` of
+        the prompt's ids, special tokens included, as native's renderer wrote it."""
+        out = await self._sidecar.post("/detokenize", {"model": ctx.model, "tokens": plan.prompt_token_ids},
+                                       request_id=ctx.request_id, stage="derender")
+        if not isinstance(out, dict) or not isinstance(out.get("prompt"), str):
+            raise DerenderUnavailable("render's /detokenize returned an unexpected body")
+        return str(out["prompt"])
 
 
 def _session_miss(exc: DerenderRejected) -> bool:

@@ -18,6 +18,14 @@ Each correction names the native behaviour it restores (vLLM 0.32 source):
   of a chat answer and on each completion choice (a stream: on the first chunk of each choice), and
   the output ids on every choice; derender of a completion leaves both ``null`` and has no prompt to
   report for chat (it is given a one-message stub). The coordinator has both sets of ids.
+* **The answer's role is the request's.** With ``add_generation_prompt: false`` native answers in
+  the last message's role (``get_chat_request_role``); batch derender always says ``assistant``.
+* **A completion's ``top_logprobs`` hold k + 1 entries when the sampled token is not in the top k.**
+  Native completions show the sampled token and the top k (``_create_completion_logprobs``); the
+  generate route cuts every position to k entries, as chat does. So the engine is asked for k + 1
+  (``widen_completion_logprobs``) and each position is cut back to what native shows: k entries
+  when the sampled token ranks within k, else k + 1 (``native_top_logprobs``). At k = 20, vLLM's
+  default ``--max-logprobs``, the engine cannot be asked for more and such positions show 20.
 * **Tool-call deltas carry only what is set.** Native chunks are written with
   ``exclude_unset``; derender's chunks have explicit ``null`` for ``id``/``type``/``name`` after the
   first fragment, which the OpenAI SDK's stream helper then copies over the real values.
@@ -54,6 +62,37 @@ def tool_call_finish_reason(choice: dict[str, Any], tool_choice: Any) -> None:
         return  # a named tool choice keeps the engine's reason natively as well
     if tool_choice in (None, "auto") or (tool_choice == "required" and choice.get("finish_reason") == "stop"):
         choice["finish_reason"] = "tool_calls"
+
+
+ENGINE_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def widen_completion_logprobs(sampling_params: dict[str, Any]) -> None:
+    """A completion's ``sampling_params``: ask for one alternative more than the client did."""
+    k = sampling_params.get("logprobs")
+    if type(k) is int and 0 < k < ENGINE_MAX_LOGPROBS:
+        sampling_params["logprobs"] = k + 1
+
+
+def native_top_logprobs(choice: dict[str, Any], k: Any) -> None:
+    """An engine choice of a completion asking for ``k`` logprobs: each position's alternatives cut
+    to what native shows (they come sampled token first, then by rank)."""
+    lp = choice.get("logprobs")
+    if type(k) is not int or not 0 < k < ENGINE_MAX_LOGPROBS or not isinstance(lp, dict):
+        return
+    for entry in lp.get("content") or ():
+        tops = entry.get("top_logprobs")
+        if tops:
+            rank = entry.get("rank")
+            entry["top_logprobs"] = tops[:k if isinstance(rank, int) and 0 < rank <= k else k + 1]
+
+
+def answer_role(choice: dict[str, Any], body: dict[str, Any]) -> None:
+    """Batch chat choice: the message's role as native sets it."""
+    messages = body.get("messages") or []
+    message = choice.get("message")
+    if body.get("add_generation_prompt", True) is False and messages and isinstance(message, dict):
+        message["role"] = messages[-1].get("role")
 
 
 def compact_tool_call_deltas(choice: dict[str, Any]) -> None:

@@ -45,10 +45,13 @@ from typing import Any
 from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.derender import token_names
 from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender.echo import PromptEcho, apply_stream, echo_chunk
 from coordinator.pipeline.derender.fixups import (
     compact_tool_call_deltas,
     eos_stop_reason,
+    native_top_logprobs,
     stops_on_token,
     stream_token_ids,
     without_stop_token,
@@ -84,15 +87,19 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     route: Affinity = field(default_factory=Affinity)  # the sidecar holding this stream's session
+    echoed: bool = False                  # the prompt's echo went out on this choice's first chunk
+    named_offset: int = 0                 # return_tokens_as_token_ids: text_offset of the next token
 
 
 class PromptStream:
     """Turns one prompt's engine chunks into client chunks with the global choice index."""
 
     def __init__(self, ctx: RequestContext, plan: PromptPlan, derenderer: Derenderer, *,
-                 collect: bool = False, coalescing: Coalescing | None = None) -> None:
+                 collect: bool = False, coalescing: Coalescing | None = None,
+                 echo: PromptEcho | None = None) -> None:
         self.ctx = ctx
         self.plan = plan
+        self._echo = echo  # the prompt, written before each choice's output (derender/echo.py)
         self._derenderer = derenderer
         self._collect = collect
         self._coalescing = coalescing or Coalescing()
@@ -211,8 +218,15 @@ class PromptStream:
             await self._roles_sent.wait()
             return
         self._roles_started = True
+        prompt_text = self._echo.prompt_text if self._echo is not None else None
         for i in range(self.plan.n):
-            await emit(role_chunk(self.ctx, self.plan, self.plan.index * self.plan.n + i))
+            chunk = role_chunk(self.ctx, self.plan, self.plan.index * self.plan.n + i)
+            chunk["prompt_text"] = prompt_text
+            await emit(chunk)
+        if self._echo is not None and self._echo.text:
+            for i in range(self.plan.n):
+                index = self.plan.index * self.plan.n + i
+                await emit(echo_chunk(self.ctx, self.plan, index, self._echo.text))
         self._roles_sent.set()
 
     async def _one(self, chunk: dict[str, Any], choice: dict[str, Any], emit: Emit, *,
@@ -223,6 +237,8 @@ class PromptStream:
         if st is None or st.done:
             return True  # a choice already ended by a stop string keeps generating until its siblings end
         new_ids: list[int] = choice.get("token_ids") or []
+        if self.ctx.kind == "completion":
+            native_top_logprobs(choice, self.ctx.body.get("logprobs"))
         if stops_on_token(choice, self.plan.stop):
             chunk = {**chunk, "choices": [without_stop_token(choice)]}
         self.derender_calls += 1
@@ -236,6 +252,7 @@ class PromptStream:
             raise
         engine_finish = choice.get("finish_reason")
         out_choice = out["choices"][0] if out.get("choices") else None
+        next_offset: int | None = None
         stop_hit: str | None = None
         if out_choice is not None and self.plan.stop.active:
             text = _text_of(self.ctx, out_choice)
@@ -256,15 +273,27 @@ class PromptStream:
             out_choice["index"] = self.plan.index * self.plan.n + int(out_choice.get("index", 0))
             if engine_finish is not None and stop_hit is None:
                 eos_stop_reason(out_choice, self.ctx.body.get("stop_token_ids"))
+            named = token_names.wanted(self.ctx.body)
             if self.ctx.kind == "chat":
                 compact_tool_call_deltas(out_choice)
-            elif self.ctx.body.get("return_token_ids"):
-                stream_token_ids(out_choice, new_ids, self.plan.prompt_token_ids if st.tokens == 0 else None)
+                if named:
+                    token_names.name_chat(out_choice, choice)
+            else:
+                if named:
+                    next_offset = token_names.name_completion(out_choice, choice, st.named_offset)
+                if self.ctx.body.get("return_token_ids"):
+                    first_ids = self.plan.prompt_token_ids if st.tokens == 0 else None
+                    stream_token_ids(out_choice, new_ids, first_ids)
+                if self._echo is not None:
+                    apply_stream(self._echo, self.plan, out_choice, first=not st.echoed)
         out["id"] = self.ctx.response_id
         out["created"] = self.ctx.created
         if self._collect or shape_stream_chunk(self.ctx, out, parsers=self._parsers):
             await emit(out)
         # Handed to the writer (or held back as native would): commit.
+        st.echoed = st.echoed or (self._echo is not None and out_choice is not None)
+        if next_offset is not None:
+            st.named_offset = next_offset
         st.stream_state = next_state
         st.tokens += len(new_ids)
         if self._collect:

@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 Capability = Literal["tokenizer", "native_api"]
 """``tokenizer``: one is loaded, so grammars compile (``response_format`` json modes,
-``structured_outputs``, ``tool_choice`` required / named, ``parallel_tool_calls: false``) and
-``bad_words`` apply. ``native_api``: the engine's own OpenAI API may take requests (the native route)."""
+``structured_outputs``, ``tool_choice`` required / named, ``parallel_tool_calls: false``),
+``bad_words`` apply, and a ``thinking_token_budget`` can end reasoning (vLLM spells the reasoning
+parser's end string into ids with the engine's tokenizer). ``native_api``: the engine's own OpenAI
+API may take requests (the native route)."""
 
 TOKENIZER: Capability = "tokenizer"
 NATIVE_API: Capability = "native_api"
@@ -54,7 +56,8 @@ def has_grammar(sampling_params: object) -> bool:
 
 def needs_of(sampling_params: object) -> frozenset[Capability]:
     """What an engine must be able to do to run a GenerateRequest's ``sampling_params``."""
-    words = isinstance(sampling_params, dict) and bool(sampling_params.get("bad_words"))
+    words = isinstance(sampling_params, dict) and (
+        bool(sampling_params.get("bad_words")) or sampling_params.get("thinking_token_budget") is not None)
     if words or has_grammar(sampling_params):
         return frozenset({TOKENIZER})
     return NO_NEEDS

@@ -72,6 +72,7 @@ class DnsDiscovery:
                 model=s.model,
                 pd_protocol=s.pd_protocol,
                 tokenizer=s.tokenizer,
+                native_api=s.native_api,
                 api_key=s.api_key,
                 kv_events=f"tcp://{host}:{s.kv_events_port}" if s.kv_events_port is not None else None,
                 kv_events_replay=(f"tcp://{host}:{s.kv_events_replay_port}"

@@ -1,4 +1,5 @@
-"""Client for an engine's own OpenAI API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
+"""Client for an engine's own API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``,
+``/v1/responses``, ``/v1/models``).
 
 Only engines marked ``native_api`` (``vllm serve --enable-scale-out``) are called here, by the native
 route (``pipeline/native_route.py``). The client's OpenAI body goes as it is; the engine tokenizes,
@@ -30,12 +31,21 @@ from coordinator.pipeline.errors import (
     UpstreamUnavailable,
 )
 from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S
+from coordinator.pipeline.http_lanes import transport as http_transport
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder().decode
 
-NativeKind = Literal["chat", "completion"]
-PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+NativeKind = Literal["chat", "completion", "messages", "responses"]
+PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+                         "messages": "/v1/messages", "responses": "/v1/responses"}
+# What a well-formed non-streaming answer of each route carries.
+_ANSWER_KEYS: dict[str, str] = {"chat": "choices", "completion": "choices", "messages": "content",
+                                "responses": "output"}
+# The event that ends a stream of the APIs that send no ``[DONE]`` (vLLM's Messages and Responses).
+_LAST_EVENTS: dict[str, frozenset[str]] = {
+    "messages": frozenset({"message_stop"}),
+    "responses": frozenset({"response.completed", "response.failed", "response.incomplete"})}
 _MODELS_TIMEOUT_S = 5.0
 
 
@@ -45,10 +55,10 @@ class NativeClient:
     def __init__(self, settings: EngineClientSettings,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
+        limits = httpx.Limits(max_connections=settings.max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.stream_idle_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S), transport=transport)
+            transport=transport or http_transport(limits))
         self.open_streams = 0  # engine responses currently held open (a leak shows here)
 
     async def aclose(self) -> None:
@@ -56,7 +66,7 @@ class NativeClient:
 
     async def complete(self, engine: Engine, kind: NativeKind, body: dict[str, Any],
                        request_id: str) -> dict[str, Any]:
-        """A non-streaming OpenAI call; the engine's JSON response."""
+        """A non-streaming call; the engine's JSON response."""
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
         try:
             resp = await self._http.post(f"{engine.url}{PATHS[kind]}", json={**body, "stream": False},
@@ -65,8 +75,8 @@ class NativeClient:
             raise _send_failed(engine, exc) from exc
         data = _json_or_none(resp.content)
         _raise_for_status(engine, resp.status_code, data)
-        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-            raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected OpenAI body")
+        if not isinstance(data, dict) or not isinstance(data.get(_ANSWER_KEYS[kind]), list):
+            raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected {PATHS[kind]} body")
         return data
 
     @contextlib.asynccontextmanager
@@ -86,10 +96,24 @@ class NativeClient:
             if resp.status_code != 200:
                 await resp.aread()
                 _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
-            yield _chunks(engine, resp)
+            yield _chunks(engine, resp, _LAST_EVENTS.get(kind, frozenset()))
         finally:
             self.open_streams -= 1
             await resp.aclose()
+
+    async def count_tokens(self, engine: Engine, body: dict[str, Any], request_id: str) -> int:
+        """The engine's own ``/v1/messages/count_tokens`` answer for a Messages body."""
+        try:
+            resp = await self._http.post(f"{engine.url}/v1/messages/count_tokens", json=body,
+                                         headers=call_headers(request_id, engine))
+        except httpx.HTTPError as exc:
+            raise _send_failed(engine, exc) from exc
+        data = _json_or_none(resp.content)
+        _raise_for_status(engine, resp.status_code, data)
+        tokens = data.get("input_tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, int):
+            raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected count_tokens body")
+        return tokens
 
     async def max_model_len(self, engine: Engine, model: str) -> int | None:
         """The context length the engine reports for ``model`` on ``/v1/models`` (None: unknown)."""
@@ -106,7 +130,10 @@ class NativeClient:
         return None
 
 
-async def _chunks(engine: Engine, resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(engine: Engine, resp: httpx.Response,
+                  last: frozenset[str]) -> AsyncIterator[dict[str, Any]]:
+    """The stream's JSON events; it ends at ``[DONE]`` or, for the APIs that send none, after an
+    event whose ``type`` is in ``last``. Any other end is a broken stream."""
     try:
         async for event in EventSource(resp).aiter_sse():
             if event.data == "[DONE]":
@@ -118,6 +145,8 @@ async def _chunks(engine: Engine, resp: httpx.Response) -> AsyncIterator[dict[st
                 err = chunk["error"] if isinstance(chunk["error"], dict) else {}
                 raise EngineStreamError(f"engine error: {err.get('message', chunk['error'])}")
             yield chunk
+            if chunk.get("type") in last:
+                return
     except httpx.TimeoutException as exc:
         raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
     except httpx.HTTPError as exc:

@@ -44,7 +44,7 @@ class MessagesTranslator:
         return await self._convert(COUNT_TOKENS_CHAT_PATH, body, request_id)
 
     async def _convert(self, path: str, body: Any, request_id: str) -> dict[str, Any]:
-        chat = await convert_on_sidecar(self._sidecar, path, body, request_id, api="/v1/messages")
+        chat = await convert_on_sidecar(self._sidecar, path, body, request_id, api="messages")
         if not isinstance(chat, dict) or not isinstance(chat.get("messages"), list):
             raise UpstreamUnavailable("render sidecar returned an unexpected Messages conversion")
         return chat

@@ -33,7 +33,7 @@ class ResponsesTranslator:
     async def form(self, body: Any, request_id: str) -> ResponsesForm:
         """The sidecar's conversion of a ``/v1/responses`` body."""
         out = await convert_on_sidecar(self._sidecar, RESPONSES_CHAT_PATH, body, request_id,
-                                       api="/v1/responses")
+                                       api="responses")
         chat = out.get("chat") if isinstance(out, dict) else None
         if not isinstance(chat, dict) or not isinstance(out.get("response"), dict):
             raise UpstreamUnavailable("render sidecar returned an unexpected Responses conversion")

@@ -24,6 +24,7 @@ class SchedRequest:
     block_hashes: list[int] | None = None             # from render, else filled once by the scheduler
     hashes_counted: bool = False                      # its hashes' source is on /metrics already
     needs: frozenset[Capability] = NO_NEEDS          # only engines that can all of these (capabilities.py)
+    scores_prompt: bool = False                       # prompt logprobs: one engine computes the whole prompt
 
     @property
     def native_api(self) -> bool:

@@ -152,6 +152,10 @@ class Scheduler:
             engine = self._choose(data, "union", req.cost_tokens)
             return None if engine is None else self._commit(data, Placement(engine, None,
                                                                             data.matched_tokens(engine)))
+        if req.scores_prompt:  # a decode engine handed the prompt's KV never computes its logprobs
+            decode = self._choose(data, "decode", req.cost_tokens)
+            return None if decode is None else self._commit(
+                data, Placement(decode, None, data.matched_tokens(decode)), path="decode_only")
         if self._topology.hybrid_fallback:
             applies, fallback = self._hybrid(data)
             if applies:

@@ -49,6 +49,24 @@ class Dispatcher:
                 return await self._generate_once(plan.generate, req)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
+    async def score_prompt(self, ctx: RequestContext, plan: PromptPlan,
+                           alternatives: int) -> list[Any] | None:
+        """The engine's prompt logprobs for a prompt whose answer streams (vLLM's generate stream
+        carries none): one non-streaming step of the same prompt that asks for them and nothing
+        else, placed like any request (by prefix affinity, so the stream that follows reads the
+        prompt's KV from the same engine's prefix cache)."""
+        sp = plan.generate["sampling_params"]
+        scoring = {key: v for key, v in sp.items()
+                   if key not in ("structured_outputs", "logprobs", "skip_reading_prefix_cache")}
+        scoring.update(n=1, max_tokens=1, min_tokens=0, prompt_logprobs=alternatives)
+        generate = {**plan.generate, "request_id": f"{plan.generate['request_id']}-prompt",
+                    "sampling_params": scoring, "stream": False, "stream_options": None}
+        score = PromptPlan(index=plan.index, generate=generate, prompt_token_ids=plan.prompt_token_ids, n=1,
+                           stop=plan.stop, block_hashes=plan.block_hashes)
+        out = await self.generate(ctx, score)
+        plp = out.get("prompt_logprobs")
+        return plp if isinstance(plp, list) else None
+
     @contextlib.asynccontextmanager
     async def stream(self, ctx: RequestContext,
                      plan: PromptPlan) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
@@ -80,10 +98,12 @@ class Dispatcher:
         return SchedRequest(request_id=generate["request_id"], model=ctx.model, prompt_token_ids=ids,
                             max_tokens=int(sp["max_tokens"]), n=plan.n, priority=ctx.priority,
                             tenant=ctx.tenant, cache_salt=salt if isinstance(salt, str) else None,
-                            block_hashes=hashes, needs=needs_of(sp))
+                            block_hashes=hashes, needs=needs_of(sp),
+                            scores_prompt=sp.get("prompt_logprobs") is not None)
 
     def check_capable(self, ctx: RequestContext) -> None:
-        """Before admission: a request only an engine with a tokenizer can run (a grammar, bad_words)
+        """Before admission: a request only an engine with a tokenizer can run (a grammar, bad_words,
+        a thinking budget)
         is a client error when no engine of its model loads one: never a silent drop of the
         constraint, never a 5xx. (With token obfuscation on, the obfuscating engine client refuses
         both, ``obfuscation.sampling_to_physical``.)"""
@@ -92,7 +112,8 @@ class Dispatcher:
         if TOKENIZER not in needs or self._attempts.capable(ctx.model, needs):
             return
         grammar = any(has_grammar(sp) for sp in params)
-        field = (constraint_field(ctx.body) or "structured_outputs") if grammar else "bad_words"
+        field = ((constraint_field(ctx.body) or "structured_outputs") if grammar
+                 else "bad_words" if ctx.body.get("bad_words") else "thinking_token_budget")
         what = "structured outputs" if grammar else "the engine's tokenizer"
         raise BadRequest(f"'{field}' needs {what}, which no engine serving model {ctx.model!r} can "
                          "provide: its engines load no tokenizer (--tokens-only)", param=field)

@@ -19,6 +19,16 @@ client. That is the same set at the moment it matters: the engine side failing n
 the consumer buffered, so each ledger token is committed before the replay's first token is.
 Derender failures are raised by the consumer, never here, so they never cause a relay.
 
+**Grammar-constrained streams** cannot be replayed that way: vLLM's grammar matcher starts at the
+first output token, so a prompt ending with the ledger would start the document again mid-way. They
+are *regenerated* instead: the original request (grammar, seed and all) runs again on another
+engine, and its first ``len(ledger)`` tokens are checked against the ledger and dropped; the stream
+goes on from there, still inside the grammar. That needs the same tokens again, so it is done for
+greedy requests and seeded ones, and a sampled constrained stream without a seed gets one when it
+starts (a seed drawn at random samples from the same distribution). Tokens that come out different
+(engines batching differently can tip a near-tie) end the stream with ``RelayDiverged``, never a
+spliced document. The client waits while the new engine regenerates what it already has.
+
 Multi-prompt and ``n>1`` streams have no per-choice replay (one engine request carries every choice
 of a prompt, and their ledgers differ): they are retried as a whole only while this stream has
 handed out nothing and nothing of the request reached the client.
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,7 +47,12 @@ from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.capabilities import has_grammar
 from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.errors import UpstreamClientError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.errors import (
+    RelayDiverged,
+    UpstreamClientError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from coordinator.pipeline.scheduling.request import SchedRequest
 
 if TYPE_CHECKING:
@@ -101,6 +117,11 @@ class EngineStream:
         self._current: Attempt | None = None
         self._req = topology.sched_request(ctx, plan, plan.generate)
         self._closed = False
+        sp = plan.generate.get("sampling_params") or {}
+        self._regenerates = self._single and has_grammar(sp)  # relayed by regeneration (module doc)
+        if self._regenerates and sp.get("seed") is None and sp.get("temperature", 1.0) != 0:
+            sp["seed"] = secrets.randbits(31)  # so a regeneration draws the same tokens
+        self._expected: list[int] = []        # a regeneration's tokens the client already has
 
     @property
     def engine(self) -> Engine | None:
@@ -130,7 +151,12 @@ class EngineStream:
             offset = len(self.ledger)
             try:
                 async for chunk in attempt.chunks:
-                    if replay:
+                    if self._expected:
+                        trimmed = self._regenerated(chunk)
+                        if trimmed is None:
+                            continue
+                        chunk = trimmed
+                    elif replay:
                         chunk = _as_original(chunk, self._plan, offset)
                     if first:  # the record's time to first engine chunk (once, not per token)
                         self._ctx.record.engine_chunk()
@@ -153,6 +179,31 @@ class EngineStream:
                     raise
                 self._current = await self._relay(attempt, exc)
 
+    def _regenerated(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """A regeneration's chunk less the tokens the client already has (None: nothing left of it);
+        raises ``RelayDiverged`` when they differ."""
+        choices = chunk.get("choices") or []
+        if not choices:
+            return chunk
+        choice = choices[0]
+        ids = list(choice.get("token_ids") or ())
+        k = min(len(ids), len(self._expected))
+        if ids[:k] != self._expected[:k]:
+            event(log, "relay", self._ctx.request_id, level=logging.WARNING, prompt=self._plan.index,
+                  relay=self.relays, committed=len(self.ledger), result="diverged",
+                  at=len(self.ledger) - len(self._expected))
+            raise RelayDiverged("The engine that took over this stream after a failure generated "
+                                "different tokens from those already sent; the stream cannot go on")
+        del self._expected[:k]
+        if k == len(ids) and choice.get("finish_reason") is None:
+            return None
+        rest = {**choice, "token_ids": ids[k:]}
+        lp = choice.get("logprobs")
+        if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+            rest["logprobs"] = {**lp, "content": lp["content"][k:]}
+        out = {key: v for key, v in chunk.items() if key not in ("prompt_token_ids", "prompt_logprobs")}
+        return {**out, "choices": [rest]}
+
     def _hand_out(self, chunk: dict[str, Any]) -> None:
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or ()
@@ -172,7 +223,8 @@ class EngineStream:
             why = f"resilience.max_relays ({r.max_relays}) reached"
         elif not self._single and (self.handed_tokens or self._ctx.visible):
             why = "multi-prompt and n>1 streams are retried only before their first visible chunk"
-        elif self.handed_tokens and has_grammar(self._plan.generate.get("sampling_params")):
+        elif self.handed_tokens and has_grammar(self._plan.generate.get("sampling_params")) and (
+                not self._regenerates):
             # vLLM's grammar matcher starts from the first output token: a replay whose prompt ends
             # with the ledger would start the document again mid-way (docs/engine-capabilities.md).
             why = "a grammar-constrained stream cannot resume mid-document on another engine"
@@ -191,7 +243,10 @@ class EngineStream:
 
     async def _relay(self, failed: Attempt, exc: BaseException) -> Attempt:
         self.relays += 1
-        if self._single:
+        if self._regenerates:
+            generate = self._plan.generate  # the whole request again; the ledger's part is checked off
+            self._expected = list(self.ledger)
+        elif self._single:
             generate = replay_generate(self._plan, self.ledger)
         else:
             generate = self._plan.generate  # nothing handed out: a plain retry from the start
