@@ -15,8 +15,10 @@ import contextlib
 import functools
 import ssl
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
+import msgspec
 
 LANE_CONNECTIONS = 8
 KEEPALIVE_EXPIRY_S = 3.0
@@ -25,6 +27,17 @@ servers we call (vLLM's engines and render sidecar, ``VLLM_HTTP_TIMEOUT_KEEP_ALI
 default of 5 s too, a connection
 reused just as the server closes it fails with "Server disconnected without sending a response",
 which a one-engine fleet cannot retry elsewhere (seen as a 502 under load)."""
+
+
+_decode = msgspec.json.Decoder().decode
+
+
+def json_or_none(content: bytes) -> Any:
+    """An answer's JSON body, or None when it has none (a bare error page, an empty body)."""
+    try:
+        return _decode(content)
+    except msgspec.DecodeError:
+        return None
 
 
 @functools.cache

@@ -41,7 +41,7 @@ from coordinator.pipeline.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, Lanes
+from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, Lanes, json_or_none
 from coordinator.pipeline.http_lanes import transport as lanes_transport
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class SidecarClient:
                                               timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return None
-        return resp.status_code, _json_or_none(resp.content)
+        return resp.status_code, json_or_none(resp.content)
 
     async def _send(self, sidecar: Sidecar, path: str, content: bytes, headers: dict[str, str],
                     stage: str, affinity: Affinity | None = None,
@@ -251,7 +251,7 @@ class SidecarClient:
         if affinity is not None and resp.status_code < 500:
             affinity.sidecar = sidecar  # it answered: the stream's session (if any) is there now
         if resp.status_code >= 400:
-            data = _json_or_none(resp.content)
+            data = json_or_none(resp.content)
             status = resp.status_code
             if status in errors.unsupported_statuses and (status == 501 or not _is_model_404(data)):
                 # The route is missing (an older or differently built sidecar): every sidecar of the
@@ -305,13 +305,6 @@ class SidecarClient:
     async def healthy(self) -> bool:
         """At least one sidecar answers (the pool still serves every call then)."""
         return any((await self.health()).values())
-
-
-def _json_or_none(content: bytes) -> Any:
-    try:
-        return _decode(content)
-    except msgspec.DecodeError:
-        return None
 
 
 def _is_model_404(data: Any) -> bool:

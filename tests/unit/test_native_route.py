@@ -16,8 +16,7 @@ from coordinator.app import build_app
 from coordinator.config import EngineSettings, ModelSettings, Settings
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
-from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import (
@@ -266,13 +265,38 @@ def test_what_an_engine_status_means_for_the_token_route(status: int, body: Any,
     """Only a missing route (bare 404, 501, vLLM's 'scale-out disabled' 403) may send a request to the
     native route; a model 404 or another 403 is the client's error."""
     from coordinator.pipeline.engines.breaker import CircuitBreaker
-    from coordinator.pipeline.engines.client import _raise_for_status
+    from coordinator.pipeline.engines.http_errors import raise_for_token_route
     from coordinator.pipeline.engines.registry import Engine
 
     engine = Engine(url="http://e0", role="union", model=None, weight=1.0, token_budget=1,
                     breaker=CircuitBreaker(3, 10.0))
     with pytest.raises(expected):
-        _raise_for_status(engine, status, body)
+        raise_for_token_route(engine, status, body)
+
+
+@pytest.mark.parametrize(("status", "body", "expected", "says"), [
+    (401, {"error": "Unauthorized"}, UpstreamUnavailable, "engines[].api_key"),
+    (401, {"error": {"message": "bad key", "type": "AuthenticationError", "param": None, "code": 401}},
+     UpstreamClientError, "bad key"),
+    (404, {"detail": "Not Found"}, UpstreamUnavailable, "on its OpenAI API"),
+    (400, {"error": {"message": "no such field", "type": "BadRequestError", "param": None, "code": 400}},
+     UpstreamClientError, "no such field"),
+    (429, {"error": {"message": "busy", "type": "RateLimitError", "param": None, "code": 429}}, EngineBusy, "busy"),
+    (429, None, UpstreamUnavailable, "on its OpenAI API"),
+    (500, None, UpstreamUnavailable, "HTTP 500"),
+])
+def test_what_an_engine_status_means_on_its_own_api(status: int, body: Any, expected: type, says: str) -> None:
+    """The native route reads the same answers by the same rules: only an OpenAI error body is the
+    engine's verdict on the client's request; a bare 401 is the coordinator's credential."""
+    from coordinator.pipeline.engines.breaker import CircuitBreaker
+    from coordinator.pipeline.engines.http_errors import raise_for_openai_route
+    from coordinator.pipeline.engines.registry import Engine
+
+    engine = Engine(url="http://e0", role="union", model=None, weight=1.0, token_budget=1,
+                    breaker=CircuitBreaker(3, 10.0))
+    with pytest.raises(expected) as caught:
+        raise_for_openai_route(engine, status, body)
+    assert type(caught.value) is expected and says in str(caught.value)
 
 
 # -- the native chain: Messages and Responses bodies to the engines' own routes ------------------

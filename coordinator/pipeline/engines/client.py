@@ -20,17 +20,15 @@ from httpx_sse import EventSource
 from coordinator.config import EngineClientSettings
 from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
-from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.errors import (
-    BUSY_STATUSES,
-    EngineBusy,
-    PipelineError,
-    TokenRouteMissing,
-    UpstreamClientError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
+from coordinator.pipeline.engines.http_errors import (
+    raise_for_token_route,
+    send_failed,
+    stream_error_event,
+    stream_failed,
 )
-from coordinator.pipeline.http_lanes import Lanes, transport
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.http_lanes import Lanes, json_or_none, transport
 from coordinator.pipeline.obfuscation import Obfuscator
 
 log = logging.getLogger(__name__)
@@ -52,14 +50,6 @@ def call_headers(request_id: str, engine: Engine | None = None) -> dict[str, str
         headers["Authorization"] = f"Bearer {engine.api_key}"
     tracing.inject(headers)
     return headers
-
-
-class EngineStreamError(UpstreamUnavailable):
-    """The engine reported an error inside a stream that had already started."""
-
-
-class EngineUnreachable(UpstreamUnavailable):
-    """No connection could be made: the request never reached the engine, so another may take it."""
 
 
 class EngineClient:
@@ -104,8 +94,8 @@ class EngineClient:
             raise
         except httpx.HTTPError as exc:
             raise self._send_failed(engine, request_id, exc) from exc
-        _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
-        data = _json_or_none(resp.content)
+        data = json_or_none(resp.content)
+        raise_for_token_route(engine, resp.status_code, data)
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
             raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected body")
         return data
@@ -139,7 +129,7 @@ class EngineClient:
         try:
             if resp.status_code != 200:
                 await resp.aread()
-                _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
+                raise_for_token_route(engine, resp.status_code, json_or_none(resp.content))
                 raise UpstreamUnavailable(f"engine {engine.url} answered HTTP {resp.status_code}")
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -153,14 +143,11 @@ class EngineClient:
                         chunk = _decode(event.data)
                         if "error" in chunk:
                             finished = True
-                            raise _error_event(engine, chunk["error"], before_output=not handed)
+                            raise stream_error_event(engine, chunk["error"], before_output=not handed)
                         handed = True
                         yield chunk
-                except httpx.TimeoutException as exc:
-                    raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
                 except httpx.HTTPError as exc:
-                    raise UpstreamUnavailable(f"engine {engine.url} stream broke: "
-                                              f"{exc.__class__.__name__}") from exc
+                    raise stream_failed(engine, exc) from exc
                 raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
 
             yield chunks()
@@ -172,15 +159,11 @@ class EngineClient:
 
     def _send_failed(self, engine: Engine, request_id: str,
                      exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:
-        """No connection: the engine never saw the request (safe to retry elsewhere). A timeout: it may be
-        running, so abort it. Anything else: the engine failed."""
-        name = exc.__class__.__name__
-        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            return EngineUnreachable(f"engine {engine.url} unreachable: {name}")
-        if isinstance(exc, httpx.TimeoutException):
+        """``http_errors.send_failed``; a request that timed out may be running, so it is aborted."""
+        failure = send_failed(engine, exc)
+        if isinstance(failure, UpstreamTimeout):
             self.abort_soon(engine, request_id)
-            return UpstreamTimeout(f"engine {engine.url} timed out")
-        return UpstreamUnavailable(f"engine {engine.url} unreachable: {name}")
+        return failure
 
     def abort_soon(self, engine: Engine, request_id: str) -> asyncio.Task[bool]:
         """Fire-and-forget abort by full engine id; tracked so shutdown waits for it. The task's result
@@ -208,64 +191,3 @@ class EngineClient:
         if self.on_abort is not None:
             self.on_abort(accepted)
         return accepted
-
-
-_SCALE_OUT_DISABLED = "Scale-out endpoints are disabled"
-
-
-def _json_or_none(content: bytes) -> Any:
-    try:
-        return _decode(content)
-    except msgspec.DecodeError:
-        return None
-
-
-def credential_refused(engine: Engine, status: int, data: Any) -> None:
-    """vLLM's ``--api-key`` answers a bare ``{"error": "Unauthorized"}`` 401: the coordinator's
-    credential for this engine is missing or wrong, and the client is not at fault (a 502 saying so,
-    not the engine's 401 passed on as if the client's key were bad)."""
-    if status == 401 and not (isinstance(data, dict) and isinstance(data.get("error"), dict)):
-        raise UpstreamUnavailable(f"engine {engine.url} refused the coordinator's credential (HTTP 401): "
-                                  "set engines[].api_key to the engine's --api-key")
-
-
-def _error_event(engine: Engine, error: Any, *, before_output: bool) -> PipelineError:
-    """What an SSE error event means.
-
-    vLLM validates a request's sampling parameters (a grammar, ``skip_tokenizer_init``) only when the
-    engine takes it, after the 200: its refusal arrives as the stream's first event, ``{"error":
-    {..., "code": 400}}``. Before any output a 4xx there is the client's error, which the topology
-    reads before the stream counts as open (``legs.first_chunk``), so the client gets the status and
-    body before any byte, as ``vllm serve`` answers; any other error before output is the engine's
-    failure (retried elsewhere). Once output flowed it stays an error in the stream
-    (``EngineStreamError``)."""
-    err = error if isinstance(error, dict) else {"message": str(error)}
-    message = err.get("message", error)
-    if not before_output:
-        return EngineStreamError(f"engine error: {message}")
-    code = err.get("code")
-    if isinstance(code, int) and 400 <= code < 500 and code not in BUSY_STATUSES:
-        return UpstreamClientError(code, {"error": err}, f"engine {engine.url} refused the request")
-    return UpstreamUnavailable(f"engine {engine.url} failed before any output: {message}")
-
-
-def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
-    if status == 200:
-        return
-    if status == 403 and _SCALE_OUT_DISABLED in str(((data or {}).get("error") or {}).get("message", "")
-                                                    if isinstance(data, dict) else ""):
-        # A plain `vllm serve` (no --enable-scale-out) refuses the token route with this 403: the
-        # engine is healthy, the route is missing, not the client's fault.
-        raise TokenRouteMissing(f"engine {engine.url} has the scale-out routes disabled (HTTP 403)")
-    credential_refused(engine, status, data)
-    if status in BUSY_STATUSES:
-        raise EngineBusy(status, data, f"engine {engine.url} is busy (HTTP {status})")
-    if 400 <= status < 500 and status != 404:
-        raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
-    if status == 404 and isinstance(data, dict) and isinstance(data.get("error"), dict):
-        raise UpstreamClientError(status, data, "engine does not serve this model")
-    if status in (404, 501):  # a bare 404 (no OpenAI error body) or 501: no token-only route here
-        raise TokenRouteMissing(f"engine {engine.url} does not serve /inference/v1/generate "
-                                f"(HTTP {status})")
-    raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status}")
-

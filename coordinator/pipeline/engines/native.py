@@ -5,8 +5,7 @@ Only engines marked ``native_api`` (``vllm serve --enable-scale-out``) are calle
 route (``pipeline/native_route.py``). The client's OpenAI body goes as it is; the engine tokenizes,
 samples and detokenizes itself. Closing a stream closes the HTTP response, which vLLM's OpenAI server
 turns into an abort of the request (it watches for the disconnect), so no separate abort call exists.
-Failures are mapped like the token-only client's: no connection is ``EngineUnreachable`` (safe to try
-another engine), a 4xx with an OpenAI body is the client's error, the rest is 502/504.
+Failures are mapped by the rules the token-only client uses (``http_errors.py``).
 """
 
 from __future__ import annotations
@@ -21,16 +20,16 @@ import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
-from coordinator.pipeline.engines.client import EngineStreamError, EngineUnreachable, call_headers
-from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.errors import (
-    BUSY_STATUSES,
-    EngineBusy,
-    UpstreamClientError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
+from coordinator.pipeline.engines.client import call_headers
+from coordinator.pipeline.engines.http_errors import (
+    raise_for_openai_route,
+    send_failed,
+    stream_error_event,
+    stream_failed,
 )
-from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S
+from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.errors import UpstreamUnavailable
+from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, json_or_none
 from coordinator.pipeline.http_lanes import transport as http_transport
 
 log = logging.getLogger(__name__)
@@ -72,9 +71,9 @@ class NativeClient:
             resp = await self._http.post(f"{engine.url}{PATHS[kind]}", json={**body, "stream": False},
                                          headers=call_headers(request_id, engine), timeout=timeout)
         except httpx.HTTPError as exc:
-            raise _send_failed(engine, exc) from exc
-        data = _json_or_none(resp.content)
-        _raise_for_status(engine, resp.status_code, data)
+            raise send_failed(engine, exc) from exc
+        data = json_or_none(resp.content)
+        raise_for_openai_route(engine, resp.status_code, data)
         if not isinstance(data, dict) or not isinstance(data.get(_ANSWER_KEYS[kind]), list):
             raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected {PATHS[kind]} body")
         return data
@@ -90,12 +89,12 @@ class NativeClient:
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.HTTPError as exc:
-            raise _send_failed(engine, exc) from exc
+            raise send_failed(engine, exc) from exc
         self.open_streams += 1
         try:
             if resp.status_code != 200:
                 await resp.aread()
-                _raise_for_status(engine, resp.status_code, _json_or_none(resp.content))
+                raise_for_openai_route(engine, resp.status_code, json_or_none(resp.content))
             yield _chunks(engine, resp, _LAST_EVENTS.get(kind, frozenset()))
         finally:
             self.open_streams -= 1
@@ -107,9 +106,9 @@ class NativeClient:
             resp = await self._http.post(f"{engine.url}/v1/messages/count_tokens", json=body,
                                          headers=call_headers(request_id, engine))
         except httpx.HTTPError as exc:
-            raise _send_failed(engine, exc) from exc
-        data = _json_or_none(resp.content)
-        _raise_for_status(engine, resp.status_code, data)
+            raise send_failed(engine, exc) from exc
+        data = json_or_none(resp.content)
+        raise_for_openai_route(engine, resp.status_code, data)
         tokens = data.get("input_tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, int):
             raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected count_tokens body")
@@ -142,46 +141,12 @@ async def _chunks(engine: Engine, resp: httpx.Response,
             if not isinstance(chunk, dict):
                 raise UpstreamUnavailable(f"engine {engine.url} sent a chunk that is not an object")
             if "error" in chunk:
-                err = chunk["error"] if isinstance(chunk["error"], dict) else {}
-                raise EngineStreamError(f"engine error: {err.get('message', chunk['error'])}")
+                raise stream_error_event(engine, chunk["error"], before_output=False)
             yield chunk
             if chunk.get("type") in last:
                 return
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"engine {engine.url} stream stalled") from exc
     except httpx.HTTPError as exc:
-        raise UpstreamUnavailable(f"engine {engine.url} stream broke: {exc.__class__.__name__}") from exc
+        raise stream_failed(engine, exc) from exc
     except msgspec.DecodeError as exc:
         raise UpstreamUnavailable(f"engine {engine.url} sent a chunk that is not JSON") from exc
     raise UpstreamUnavailable(f"engine {engine.url} stream ended without [DONE]")
-
-
-def _send_failed(engine: Engine, exc: httpx.HTTPError) -> UpstreamUnavailable | UpstreamTimeout:
-    name = exc.__class__.__name__
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-        return EngineUnreachable(f"engine {engine.url} unreachable: {name}")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamTimeout(f"engine {engine.url} timed out")
-    return UpstreamUnavailable(f"engine {engine.url} unreachable: {name}")
-
-
-def _raise_for_status(engine: Engine, status: int, data: Any) -> None:
-    """A busy answer with a body (408/425/429/503: the engine's own admission) may go to another
-    engine, else it is the client's answer; another 4xx with an OpenAI error body is the client's
-    answer; a bare 4xx (a route the engine lacks) and 5xx are the engine's failure."""
-    if status == 200:
-        return
-    has_body = isinstance(data, dict) and isinstance(data.get("error"), dict)
-    if status in BUSY_STATUSES and has_body:
-        raise EngineBusy(status, data, f"engine {engine.url} is busy (HTTP {status})")
-    if 400 <= status < 500 and has_body:
-        raise UpstreamClientError(status, data, f"engine {engine.url} rejected the request")
-    log.warning("engine %s answered HTTP %s on its OpenAI API", engine.url, status)
-    raise UpstreamUnavailable(f"engine {engine.url} failed with HTTP {status} on its OpenAI API")
-
-
-def _json_or_none(content: bytes) -> Any:
-    try:
-        return _decode(content)
-    except msgspec.DecodeError:
-        return None
