@@ -3,7 +3,7 @@
 SIGTERM (or Ctrl-C) drains it: ``/ready`` turns 503, the listener closes after
 ``server.drain_delay_s``, in-flight work gets ``server.drain_timeout_s``, then it exits 0; a second
 signal exits at once (docs/shutdown.md). With ``server.workers`` > 1 this process supervises that many
-worker processes on one port (coordinator/api/workers.py)."""
+worker processes on one port (coordinator/runtime/workers.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import argparse
 
 from coordinator.api.server import configure_logging, uvicorn_config
 from coordinator.api.shutdown import draining_server
-from coordinator.api.workers import Supervisor
 from coordinator.app import build_app
 from coordinator.config import load_settings
+from coordinator.runtime.workers import Supervisor
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -307,7 +307,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         c.admission.export_metrics()
         return generate_latest(c.metrics.registry)
 
-    # With server.workers > 1 each worker's app gets ``state.pod`` (api/workers.py): whichever worker a
+    # With server.workers > 1 each worker's app gets ``state.pod`` (runtime/pod.py): whichever worker a
     # client reaches answers /ready and /metrics for the whole pod from its siblings' answers.
     app.state.ready_here = ready_here
     app.state.metrics_here = metrics_here

@@ -7,13 +7,23 @@ own registry instead (``build_app(settings, metrics_registry=...)``); the collec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from coordinator.observability.record import Record
-    from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+
+
+class IndexSize(Protocol):
+    """What the prefix index shows of its size (observability sits below scheduling, so it names the
+    index's face rather than importing it)."""
+
+    capacity_blocks: int | None
+
+    def engines(self) -> list[str]: ...
+    def blocks(self, engine: str) -> int: ...
+    def approx_bytes(self) -> int: ...
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -157,7 +167,7 @@ class Metrics:
     def engine_abort(self, accepted: bool) -> None:
         self.engine_aborts.labels("accepted" if accepted else "refused").inc()
 
-    def prefix_index(self, name: str, index: PrefixIndex) -> None:
+    def prefix_index(self, name: str, index: IndexSize) -> None:
         """The index's size now (at scrape time; engines that left keep no series)."""
         self.index_blocks.clear()
         for engine in index.engines():

@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.pipeline.context import NativeApi
+from coordinator.pipeline.context import NativeApi, NativeCall
 from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamTimeout, UpstreamUnavailable
-from coordinator.pipeline.native_api import NativeCall
 from coordinator.pipeline.sidecar import SidecarClient
 
 

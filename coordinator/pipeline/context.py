@@ -7,13 +7,42 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from coordinator.observability.record import Record
-from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
 
 Kind = Literal["chat", "completion"]
 Route = Literal["tokens", "native"]  # token-only engines via render/derender, or an engine's OpenAI API
 TokenizerSource = Literal["render", "local"]
 # Another API's request sent as it is to the engines' own route for it (``pipeline/native_api.py``).
 NativeApi = Literal["messages", "responses"]
+
+
+@dataclass(frozen=True)
+class StopSpec:
+    """Stop-string settings of one request, taken out of the rendered sampling params (render
+    writes them, derender enforces them: ``derender/stop.py``)."""
+
+    strings: tuple[str, ...] = ()
+    include_in_output: bool = False
+    min_tokens: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.strings)
+
+    @property
+    def holdback(self) -> int:
+        if not self.strings or self.include_in_output:
+            return 0
+        return max(len(s) for s in self.strings) - 1
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """A request for another API that the chat path cannot take: which API, and why (the sidecar's
+    error: it becomes the answer when no engine serves the API either)."""
+
+    api: NativeApi
+    reason: UpstreamUnavailable | UpstreamTimeout
 
 
 @dataclass

@@ -26,13 +26,11 @@ written into the body (what admission reserved is what the engine may produce).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from coordinator.pipeline.catalog import ModelEntry
-from coordinator.pipeline.context import NativeApi, PromptPlan, RequestContext
-from coordinator.pipeline.derender.stop import StopSpec
-from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamTimeout, UpstreamUnavailable
+from coordinator.pipeline.context import NativeApi, NativeCall, PromptPlan, RequestContext, StopSpec
+from coordinator.pipeline.errors import BadRequest, PipelineError, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
 from coordinator.pipeline.native_route import NativeRoute, require
 
@@ -44,15 +42,6 @@ _BUDGET_FIELD: dict[NativeApi, str] = {"messages": "max_tokens", "responses": "m
 # would count as thousands of text tokens).
 _NOT_TEXT = frozenset({"type", "role", "id", "call_id", "tool_use_id", "cache_control", "status",
                        "source", "data", "image_url", "file_data", "file_id", "url", "media_type"})
-
-
-@dataclass(frozen=True)
-class NativeCall:
-    """A request for another API that the chat path cannot take: which API, and why (the sidecar's
-    error: it becomes the answer when no engine serves the API either)."""
-
-    api: NativeApi
-    reason: UpstreamUnavailable | UpstreamTimeout
 
 
 async def plan(ctx: RequestContext, entry: ModelEntry, call: NativeCall, *, local: LocalTokenizers | None,

@@ -52,13 +52,11 @@ from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline import native_api
 from coordinator.pipeline.catalog import ModelCatalog, ModelEntry
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import NativeCall, PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.fixups import widen_completion_logprobs
-from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
-from coordinator.pipeline.native_api import NativeCall
 from coordinator.pipeline.native_route import NativeRoute, require
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.token_ids import check_rendered

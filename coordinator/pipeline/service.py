@@ -24,7 +24,7 @@ from coordinator.pipeline import prompt_echo
 from coordinator.pipeline.admission.rate_limits import TenantLimiter
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
-from coordinator.pipeline.context import Kind, PromptPlan, RequestContext
+from coordinator.pipeline.context import Kind, NativeCall, PromptPlan, RequestContext
 from coordinator.pipeline.derender import token_names
 from coordinator.pipeline.derender.client import Derenderer, request_view
 from coordinator.pipeline.derender.fixups import (
@@ -40,7 +40,6 @@ from coordinator.pipeline.derender.shape import shape_usage_chunk, system_finger
 from coordinator.pipeline.derender.stop import truncate_at_stop
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError, TokenRouteMissing, first_leaf
-from coordinator.pipeline.native_api import NativeCall
 from coordinator.pipeline.native_route import ChunkStream, NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.structured import name_constraint

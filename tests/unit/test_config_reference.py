@@ -236,7 +236,7 @@ def test_type_names_for_any_pydantic_field() -> None:
 def test_operations_doc_lists_every_metric() -> None:
     """docs/operations.md's metric table is hand-kept: a collector added without a row fails here."""
     source = "".join((ROOT / "coordinator" / path).read_text(encoding="utf-8")
-                     for path in ("observability/metrics.py", "api/workers.py"))  # the pod's own series too
+                     for path in ("observability/metrics.py", "runtime/pod.py", "runtime/workers.py"))  # the pod's own series too
     exposed = {name + ("_total" if kind == "Counter" else "")
                for kind, name in re.findall(r'(Counter|Gauge|Histogram|Metric)\(\s*"(coordinator_\w+)"', source)}
     assert len(exposed) > 20

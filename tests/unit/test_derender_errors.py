@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from coordinator.config import RenderSettings
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.client import Derenderer
-from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.errors import (
     DerenderRejected,
     DerenderTimeout,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from coordinator.config import RenderSettings
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.features import (
     EXACT_UNDER_COALESCING,
@@ -24,7 +24,6 @@ from coordinator.pipeline.derender.features import (
     agree,
     from_probe,
 )
-from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.errors import DerenderRejected
 from coordinator.pipeline.sidecar import Affinity, SidecarClient
 

@@ -1,10 +1,51 @@
-"""The coordinator runs on a small CPU image without vLLM, and its pipeline knows nothing of HTTP."""
+"""The house's layering, checked on the source (docs/architecture.md, "Layers"): the coordinator
+runs on a small CPU image without vLLM, its pipeline knows nothing of HTTP, and its imports go down.
 
+Every coordinator module belongs to one layer; a module may import its own layer and the ones below,
+never one above (an import inside a function or under ``TYPE_CHECKING`` counts too: it is the same
+dependency, only paid later). No two modules may import each other, directly or around a loop. The
+deployables beside the coordinator (the render sidecar, the token engine) are checked for what they
+import from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+# Bottom first. A module's layer is the one of the longest prefix that names it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("config", ("coordinator.config",)),
+    ("observability", ("coordinator.observability",)),
+    ("vocabulary", ("coordinator.pipeline.errors", "coordinator.pipeline.context",
+                    "coordinator.pipeline.structured", "coordinator.pipeline.token_ids",
+                    "coordinator.pipeline.vocabulary", "coordinator.pipeline.http_lanes",
+                    "coordinator.pipeline.obfuscation")),
+    ("clients", ("coordinator.pipeline.sidecar", "coordinator.pipeline.engines")),
+    ("scheduling", ("coordinator.pipeline.scheduling",)),
+    ("admission", ("coordinator.pipeline.admission",)),
+    ("conversions", ("coordinator.pipeline.catalog", "coordinator.pipeline.local_tokenizer",
+                     "coordinator.pipeline.chat_form", "coordinator.pipeline.messages",
+                     "coordinator.pipeline.responses", "coordinator.pipeline.validation",
+                     "coordinator.pipeline.derender")),
+    ("topology", ("coordinator.pipeline.topology", "coordinator.pipeline.native_route")),
+    ("stages", ("coordinator.pipeline.render", "coordinator.pipeline.native_api",
+                "coordinator.pipeline.prompt_echo")),
+    ("service", ("coordinator.pipeline.service",)),
+    ("protocols", ("coordinator.nnrp",)),
+    ("doors", ("coordinator.api",)),
+    ("app", ("coordinator.app",)),
+    ("runtime", ("coordinator.runtime", "coordinator.embedded", "coordinator.__main__")),
+    ("tools", ("coordinator.config_reference", "coordinator.nnrp.conformance")),
+]
 
 
 def imported_after(code: str) -> set[str]:
@@ -14,6 +55,7 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_coordinator_never_imports_vllm_or_torch() -> None:
+    """The coordinator runs on a small CPU image without vLLM."""
     mods = imported_after("import coordinator.app, coordinator.__main__")
     assert not {m for m in mods if m == "vllm" or m.startswith(("vllm.", "torch"))}
 
@@ -28,36 +70,86 @@ def test_simulator_imports_nothing_from_the_coordinator() -> None:
     assert not {m for m in mods if m == "coordinator" or m.startswith(("coordinator.", "vllm"))}
 
 
-def _coordinator_imports() -> dict[str, set[str]]:
-    """Every coordinator module → the coordinator modules it imports (TYPE_CHECKING imports too)."""
-    import ast
-
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "coordinator").rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets |= {f"{node.module}.{a.name}" for a in node.names}
-        graph[name] = {t for t in targets if t in files and t != name}
-    return graph
+def _modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
 
 
-def test_no_two_coordinator_modules_import_each_other() -> None:
-    graph = _coordinator_imports()
-    mutual = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, ())})
-    assert not mutual, f"modules that import each other (give them a seam both use): {mutual}"
+@cache
+def _known() -> frozenset[str]:
+    return frozenset(m for package in ("coordinator", "render_sidecar", "token_engine") for m in _modules(package))
 
 
-def test_coordinator_imports_have_no_cycle_of_any_length() -> None:
-    """A longer loop (a → b → c → a) is the same knot as a mutual import, only harder to see."""
-    import graphlib
+@cache
+def _imports(path: Path) -> frozenset[str]:
+    """Every absolute module name imported anywhere in the file. ``from a import b`` is an import of
+    the module ``a.b`` when there is one (importing a submodule by name), else of ``a``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                names.add(sub if sub in _known() else node.module)
+    return frozenset(names)
 
+
+def _layer(module: str) -> int:
+    best, rank = -1, -1
+    for index, (_name, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), index
+    return rank
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules("coordinator")
+    return {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+
+
+# Folders whose modules sit in several layers: their ``__init__`` must import nothing.
+CONTAINERS = ("coordinator", "coordinator.pipeline")
+
+
+def test_every_coordinator_module_has_a_layer() -> None:
+    orphans = sorted(m for m in _graph() if m not in CONTAINERS and _layer(m) < 0)
+    assert not orphans, f"give these a layer in LAYERS (and docs/architecture.md): {orphans}"
+    graph = _graph()
+    assert not {c: graph[c] for c in CONTAINERS if graph[c]}, "a container package imports something"
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    upward = sorted(f"{m} ({LAYERS[_layer(m)][0]}) -> {n} ({LAYERS[_layer(n)][0]})"
+                    for m, deps in _graph().items() if m not in CONTAINERS
+                    for n in deps if _layer(n) > _layer(m))
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    """Two modules importing each other, or a longer loop (a -> b -> c -> a): the same knot."""
     try:
-        list(graphlib.TopologicalSorter(_coordinator_imports()).static_order())
+        list(graphlib.TopologicalSorter(_graph()).static_order())
     except graphlib.CycleError as err:
         raise AssertionError(f"import cycle in coordinator/: {' -> '.join(err.args[1])}") from None
+
+
+@pytest.mark.parametrize("package", ["render_sidecar", "token_engine"])
+def test_deployables_import_only_the_coordinators_shared_modules(package: str) -> None:
+    """The render sidecar and the token engine ship in their own images: what they take from the
+    coordinator's tree must stay the leaf modules that hold the wire's shared rules (prefix hashing,
+    the keyed permutation), which import nothing else of the coordinator."""
+    shared = {"coordinator.pipeline.scheduling.prefix.hashing", "coordinator.pipeline.obfuscation"}
+    used = {n for p in _modules(package).values() for n in _imports(p) if n.split(".")[0] == "coordinator"}
+    used = {n for n in used if n in _modules("coordinator")}
+    assert used <= shared, f"{package} imports {sorted(used - shared)} from the coordinator"
+    coordinator = _modules("coordinator")
+    for module in used:
+        deps = {n for n in _imports(coordinator[module]) if n.split(".")[0] == "coordinator"}
+        assert not deps, f"{module} is shared with {package} but imports {sorted(deps)}"

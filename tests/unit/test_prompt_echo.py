@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.echo import apply_batch, apply_stream, build, decode_body
-from coordinator.pipeline.derender.stop import StopSpec
 
 IDS = [504, 3575, 282]
 # The engine's prompt logprobs: position 0 has none; then the prompt token first, alternatives after.

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.errors import RelayDiverged
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.topology.engine_stream import EngineStream

@@ -1,6 +1,7 @@
 """Stop strings enforced on the coordinator must behave like vLLM's detokenizer check."""
 
-from coordinator.pipeline.derender.stop import StopMatcher, StopSpec, truncate_at_stop
+from coordinator.pipeline.context import StopSpec
+from coordinator.pipeline.derender.stop import StopMatcher, truncate_at_stop
 
 
 def feed_all(spec: StopSpec, deltas: list[str]) -> tuple[str, str | None, int]:

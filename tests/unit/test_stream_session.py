@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.client import StreamMode
-from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.errors import UpstreamUnavailable
 from coordinator.pipeline.service import StreamSession

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from coordinator.pipeline.context import PromptPlan, RequestContext
+from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.client import StreamMode
 from coordinator.pipeline.derender.fixups import eos_stop_reason
 from coordinator.pipeline.derender.shape import (
@@ -14,7 +14,6 @@ from coordinator.pipeline.derender.shape import (
     shape_usage_chunk,
     system_fingerprint,
 )
-from coordinator.pipeline.derender.stop import StopSpec
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 
 

@@ -1,4 +1,4 @@
-"""The pod's /metrics from its workers' (coordinator/api/workers.py): counters, histograms summed by
+"""The pod's /metrics from its workers' (coordinator/runtime/pod.py): counters, histograms summed by
 labels; gauges one sample per worker; a worker that did not answer shows as down, not as zeros."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.api.workers import merge_metrics
+from coordinator.runtime.pod import merge_metrics
 
 
 def exposition(requests: int, inflight: float, waits: list[float]) -> str:

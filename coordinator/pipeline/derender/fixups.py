@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.pipeline.derender.stop import StopSpec
+from coordinator.pipeline.context import StopSpec
 
 
 def stops_on_token(choice: dict[str, Any], spec: StopSpec) -> bool:

@@ -17,24 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class StopSpec:
-    """Stop-string settings of one request, taken out of the rendered sampling params."""
-
-    strings: tuple[str, ...] = ()
-    include_in_output: bool = False
-    min_tokens: int = 0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.strings)
-
-    @property
-    def holdback(self) -> int:
-        if not self.strings or self.include_in_output:
-            return 0
-        return max(len(s) for s in self.strings) - 1
+from coordinator.pipeline.context import StopSpec
 
 
 @dataclass

@@ -1,0 +1,2 @@
+"""The processes that run the app: worker processes and their supervisor (``server.workers``),
+above ``app.py`` because they build it."""
