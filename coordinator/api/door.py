@@ -26,9 +26,8 @@ from coordinator.api.shutdown import RECORD_KEY
 from coordinator.config import Settings
 from coordinator.observability.record import Door, Record
 from coordinator.pipeline.admission.tenants import Tenant
-from coordinator.pipeline.context import Kind, NativeCall, RequestContext
+from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
-from coordinator.pipeline.native_route import ChunkStream
 from coordinator.pipeline.service import Pipeline
 
 log = logging.getLogger(__name__)

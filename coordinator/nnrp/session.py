@@ -51,9 +51,8 @@ from coordinator.nnrp.profile import (
 from coordinator.nnrp.responses import ResponsesStreamMapper, map_models, map_response
 from coordinator.observability.record import Observer, Record
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
-from coordinator.pipeline.context import Kind, RequestContext
+from coordinator.pipeline.context import ChunkStream, Kind, RequestContext
 from coordinator.pipeline.errors import ClientGone, PipelineError
-from coordinator.pipeline.native_route import ChunkStream
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.translate import in_responses_terms
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from coordinator.observability.record import Record
 from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
@@ -43,6 +44,18 @@ class NativeCall:
 
     api: NativeApi
     reason: UpstreamUnavailable | UpstreamTimeout
+
+
+class ChunkStream(Protocol):
+    """What a door's stream writer consumes: ``derender/session.py``'s ``StreamSession`` (token-only)
+    and ``native_route.py``'s ``NativeStream`` offer it."""
+
+    def events(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+    @property
+    def buffered_tokens(self) -> int: ...
 
 
 @dataclass

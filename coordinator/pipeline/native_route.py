@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from coordinator.observability import tracing
 from coordinator.observability.events import event
@@ -59,17 +59,6 @@ log = logging.getLogger(__name__)
 _BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("max_tokens", "max_completion_tokens"), "completion": ("max_tokens",),
     "messages": ("max_tokens",), "responses": ("max_output_tokens",)}
-
-
-class ChunkStream(Protocol):
-    """What the SSE writer consumes: ``StreamSession`` (token-only) and ``NativeStream`` offer it."""
-
-    def events(self) -> AsyncIterator[dict[str, Any]]: ...
-
-    async def aclose(self) -> None: ...
-
-    @property
-    def buffered_tokens(self) -> int: ...
 
 
 class NativeRouteRefused(PipelineError):

@@ -24,23 +24,13 @@ from coordinator.pipeline import prompt_echo
 from coordinator.pipeline.admission.rate_limits import TenantLimiter
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
-from coordinator.pipeline.context import Kind, NativeCall, PromptPlan, RequestContext
-from coordinator.pipeline.derender import token_names
+from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, PromptPlan, RequestContext
+from coordinator.pipeline.derender import batch
 from coordinator.pipeline.derender.client import Derenderer, request_view
-from coordinator.pipeline.derender.fixups import (
-    answer_role,
-    attach_token_ids,
-    eos_stop_reason,
-    native_top_logprobs,
-    stops_on_token,
-    tool_call_finish_reason,
-    without_stop_token,
-)
-from coordinator.pipeline.derender.shape import shape_usage_chunk, system_fingerprint
-from coordinator.pipeline.derender.stop import truncate_at_stop
+from coordinator.pipeline.derender.session import StreamSession
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError, TokenRouteMissing, first_leaf
-from coordinator.pipeline.native_route import ChunkStream, NativeStream
+from coordinator.pipeline.native_route import NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.structured import name_constraint
 from coordinator.pipeline.token_ids import check_client_ids
@@ -67,14 +57,6 @@ class Served:
         release, self._release = self._release, None
         if release is not None:
             await release()
-
-
-@dataclass
-class _Finished:
-    """Sentinel a producer puts on the queue when its prompt stream ends (with its error, if any)."""
-
-    error: BaseException | None = None
-    prompt: int = 0
 
 
 class Pipeline:
@@ -274,36 +256,10 @@ class Pipeline:
             raise error from None
         responses = [t.result() for t in tasks]
         ctx.record.engine_chunk()  # the engines' whole output is in
-        counted = sum(len(c.get("token_ids") or []) for r in responses for c in r["choices"])
-        blank: set[int] = set()  # global indexes whose only token was the hidden stop token
-        trimmed = []
-        for plan, resp in zip(ctx.prompts, responses, strict=True):
-            choices = []
-            for c in resp["choices"]:
-                if ctx.kind == "completion":
-                    native_top_logprobs(c, ctx.body.get("logprobs"))
-                if stops_on_token(c, plan.stop):
-                    if len(c["token_ids"]) == 1:  # derender rejects an empty choice
-                        blank.add(plan.index * plan.n + int(c.get("index", 0)))
-                    else:
-                        c = without_stop_token(c)
-                choices.append(c)
-            trimmed.append({**resp, "choices": choices})
+        trimmed, blank = batch.trim(ctx, responses)
         out = await self._derender.batch(ctx, trimmed)
-        if token_names.wanted(ctx.body):
-            token_names.name_batch(ctx.kind, out, [(p.index, p.n, r) for p, r in zip(ctx.prompts, trimmed,
-                                                                                    strict=True)])
-        out["id"] = ctx.response_id
-        out["system_fingerprint"] = system_fingerprint(ctx.model)
-        self._finish_choices(ctx, out, blank)
-        if ctx.body.get("return_token_ids"):
-            attach_token_ids(ctx.kind, out, [(p.prompt_token_ids, p.n) for p in ctx.prompts],
-                             {p.index * p.n + int(c.get("index", 0)): list(c.get("token_ids") or [])
-                              for p, r in zip(ctx.prompts, responses, strict=True) for c in r["choices"]})
+        batch.finish(ctx, out, responses, trimmed, blank)
         await prompt_echo.complete(ctx, out, responses, self._dispatch, self._derender)
-        usage = out.get("usage") or {}
-        usage["completion_tokens"] = counted
-        usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + counted
         return out
 
     async def _collect(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
@@ -315,35 +271,7 @@ class Pipeline:
 
         async with self._dispatch.stream(ctx, plan) as chunks:
             await ps.run(chunks, discard)
-        usage = {"prompt_tokens": plan.prompt_tokens, "completion_tokens": ps.completion_tokens,
-                 "total_tokens": plan.prompt_tokens + ps.completion_tokens}
-        choices = []
-        for i, st in sorted(ps.choices.items()):
-            choices.append({"index": i, "finish_reason": st.finish_reason or "stop",
-                            "stop_reason": st.stop_reason, "token_ids": st.token_ids,
-                            "logprobs": {"content": st.logprobs} if st.logprobs else None})
-        return {"request_id": plan.generate["request_id"], "model": ctx.model, "created": ctx.created,
-                "usage": usage, "output_mode": "tokens", "choices": choices}
-
-    @staticmethod
-    def _finish_choices(ctx: RequestContext, out: dict[str, Any], blank: set[int]) -> None:
-        """Cut text at stop strings, blank stop-token-only outputs, fix tool-call finish reasons."""
-        by_index = {p.index * p.n + c: p for p in ctx.prompts for c in range(p.n)}
-        for choice in out.get("choices", []):
-            index = int(choice.get("index", 0))
-            plan = by_index.get(index)
-            holder, key = (choice.get("message") or {}, "content") if ctx.kind == "chat" else (choice, "text")
-            if index in blank:
-                holder[key] = ""
-            elif (plan is not None and isinstance(choice.get("stop_reason"), str)
-                  and isinstance(holder.get(key), str)):
-                # Batch derender returns the text of all kept tokens; the stop string ends it.
-                holder[key] = truncate_at_stop(holder[key], plan.stop)[0]
-            if not isinstance(choice.get("stop_reason"), str):
-                eos_stop_reason(choice, ctx.body.get("stop_token_ids"))
-            if ctx.kind == "chat":
-                tool_call_finish_reason(choice, ctx.body.get("tool_choice"))
-                answer_role(choice, ctx.body)
+        return batch.collected(ctx, plan, ps)
 
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession | NativeStream:
@@ -351,10 +279,11 @@ class Pipeline:
         native = self._render.native_route
         if ctx.route == "native" and native is not None:  # render fallback (render.py)
             return await native.open_stream(ctx)
-        session = StreamSession(ctx, self._dispatch, self._derender, self._queue_chunks, self._coalescing)
+        session = StreamSession(ctx, self._dispatch.stream, self._derender, self._queue_chunks,
+                                self._coalescing)
         self._sessions.add(session)
         try:
-            await session.open()
+            await session.open(await prompt_echo.for_streams(ctx, self._dispatch, self._derender))
         except TokenRouteMissing as exc:  # no engine serves token ids; nothing was sent yet
             await session.aclose()
             if native is None or not native.takes_over(ctx, exc):
@@ -389,106 +318,3 @@ async def _unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
             raise ClientGone()
         watch.cancel()
     return main.result()
-
-
-
-class StreamSession:
-    """All engine streams of one request, merged into one chunk sequence through a bounded queue."""
-
-    def __init__(self, ctx: RequestContext, dispatch: Dispatcher, derenderer: Derenderer,
-                 queue_chunks: int, coalescing: Coalescing | None = None) -> None:
-        self.ctx = ctx
-        self._dispatch = dispatch
-        self._derender = derenderer
-        self._queue: asyncio.Queue[dict[str, Any] | _Finished] = asyncio.Queue(maxsize=queue_chunks)
-        self._coalescing = coalescing
-        self._stack = contextlib.AsyncExitStack()
-        self._streams: list[tuple[PromptStream, AsyncIterator[dict[str, Any]]]] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closed = False
-        self._end_reason: str | None = None  # None while the client still reads
-
-    async def open(self) -> None:
-        echoes = await prompt_echo.for_streams(self.ctx, self._dispatch, self._derender)
-        opened = await asyncio.gather(
-            *(self._stack.enter_async_context(self._dispatch.stream(self.ctx, p)) for p in self.ctx.prompts),
-            return_exceptions=True)
-        errors = [o for o in opened if isinstance(o, BaseException)]
-        if errors:
-            raise errors[0]
-        self._streams = [(PromptStream(self.ctx, p, self._derender, coalescing=self._coalescing, echo=echo),
-                          chunks)  # type: ignore[misc]
-                         for p, chunks, echo in zip(self.ctx.prompts, opened, echoes, strict=True)]
-
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Client chunks in arrival order, then the usage chunk if asked for. Raises on failure."""
-        for ps, chunks in self._streams:
-            self._tasks.append(asyncio.create_task(self._produce(ps, chunks)))
-        pending = len(self._tasks)
-        while pending:
-            item = await self._queue.get()
-            if isinstance(item, _Finished):
-                pending -= 1
-                if item.error is not None:
-                    self._end_reason = f"prompt {item.prompt} failed: {type(item.error).__name__}"
-                    self.ctx.record.fail(item.error, getattr(item.error, "status", 500))
-                    if len(self._tasks) > 1:
-                        event(log, "cancelled", self.ctx.request_id, level=logging.WARNING,
-                              failed_prompt=item.prompt, error=type(item.error).__name__,
-                              cancelled_siblings=self.running_tasks - 1, reason="sibling_failed")
-                    raise item.error
-                continue
-            yield item
-        self._end_reason = "done"
-        if self.ctx.include_usage:
-            yield self.usage_chunk()
-
-    async def _emit(self, chunk: dict[str, Any]) -> None:
-        await self._queue.put(chunk)
-        self.ctx.visible = True  # from now on no engine failure may restart the request as a whole
-
-    async def _produce(self, ps: PromptStream, chunks: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            await ps.run(chunks, self._emit)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the consumer, which cancels the siblings
-            await self._queue.put(_Finished(exc, ps.plan.index))
-            return
-        await self._queue.put(_Finished())
-
-    @property
-    def buffered_tokens(self) -> int:
-        return sum(ps.buffered_tokens for ps, _ in self._streams)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def running_tasks(self) -> int:
-        return sum(1 for t in self._tasks if not t.done())
-
-    def usage_chunk(self) -> dict[str, Any]:
-        prompt = sum(p.prompt_tokens for p in self.ctx.prompts)
-        completion = sum(ps.completion_tokens for ps, _ in self._streams)
-        return shape_usage_chunk(self.ctx, {
-            "id": self.ctx.response_id, "object": self.ctx.object_name, "created": self.ctx.created,
-            "model": self.ctx.model, "choices": [],
-            "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                      "completion_tokens": completion}})
-
-    async def aclose(self) -> None:
-        """Cancel and await every producer, then close the engine streams (which aborts them)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._end_reason is None and self.running_tasks:
-            event(log, "cancelled", self.ctx.request_id, reason="client_gone", cancelled=self.running_tasks)
-            self.ctx.record.cancel("client_gone")  # unless the door already said why (NNRP cancel)
-        self.ctx.record.usage(None, sum(ps.completion_tokens for ps, _ in self._streams))
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._stack.aclose()

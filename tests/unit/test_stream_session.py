@@ -15,9 +15,9 @@ import pytest
 
 from coordinator.pipeline.context import PromptPlan, RequestContext, StopSpec
 from coordinator.pipeline.derender.client import StreamMode
+from coordinator.pipeline.derender.session import StreamSession
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.errors import UpstreamUnavailable
-from coordinator.pipeline.service import StreamSession
 
 
 def plan(i: int, stop: tuple[str, ...] = ()) -> PromptPlan:
@@ -96,7 +96,7 @@ def ctx_for(plans: list[PromptPlan]) -> RequestContext:
 @pytest.mark.parametrize("coalescing", [Coalescing(enabled=False), Coalescing(max_tokens_per_call=8, buffer_tokens=16)])
 async def test_slow_client_bounds_what_the_session_pulls(coalescing: Coalescing) -> None:
     engine = FakeEngine({0: [65] * 5000})
-    s = StreamSession(ctx_for([plan(0)]), engine, FakeDerender(), queue_chunks=4,  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0)]), engine.stream, FakeDerender(), queue_chunks=4,  # type: ignore[arg-type]
                       coalescing=coalescing)
     await s.open()
     events = s.events()
@@ -119,7 +119,7 @@ async def test_slow_client_bounds_what_the_session_pulls(coalescing: Coalescing)
 async def test_coalescing_merges_chunks_that_pile_up_during_a_call() -> None:
     engine = FakeEngine({0: [65 + i % 26 for i in range(200)]})
     der = SlowDerender()
-    s = StreamSession(ctx_for([plan(0)]), engine, der, queue_chunks=64,  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0)]), engine.stream, der, queue_chunks=64,  # type: ignore[arg-type]
                       coalescing=Coalescing(max_tokens_per_call=32, buffer_tokens=1000))
     await s.open()
     events = [e async for e in s.events()]
@@ -136,7 +136,7 @@ async def test_the_finishing_token_gets_a_chunk_of_its_own_when_chunks_pile_up()
     finish), so a merged call never carries the finish on text from the tokens before it."""
     engine = FakeEngine({0: [65 + i % 26 for i in range(200)]})
     der = SlowDerender()
-    s = StreamSession(ctx_for([plan(0)]), engine, der, queue_chunks=64,  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0)]), engine.stream, der, queue_chunks=64,  # type: ignore[arg-type]
                       coalescing=Coalescing(max_tokens_per_call=32, buffer_tokens=1000))
     await s.open()
     events = [e async for e in s.events() if e["choices"]]
@@ -151,7 +151,7 @@ async def test_the_finishing_token_gets_a_chunk_of_its_own_when_chunks_pile_up()
 async def test_state_is_committed_only_after_successful_derender() -> None:
     engine = FakeEngine({0: [65, 66, 67, 68]})
     der = FakeDerender(fail_on_token=67)
-    s = StreamSession(ctx_for([plan(0)]), engine, der, queue_chunks=8)  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0)]), engine.stream, der, queue_chunks=8)  # type: ignore[arg-type]
     await s.open()
     got = []
     with pytest.raises(UpstreamUnavailable):
@@ -166,7 +166,7 @@ async def test_state_is_committed_only_after_successful_derender() -> None:
 
 async def test_one_failing_prompt_cancels_and_closes_its_siblings() -> None:
     engine = FakeEngine({0: [65] * 50, 1: [66] * 50, 2: [67] * 50}, fail_after={1: 3})
-    s = StreamSession(ctx_for([plan(0), plan(1), plan(2)]), engine, FakeDerender(),  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0), plan(1), plan(2)]), engine.stream, FakeDerender(),  # type: ignore[arg-type]
                       queue_chunks=2)
     await s.open()
     assert engine.opened == {0, 1, 2}, "every engine stream is open before the first event"
@@ -180,7 +180,7 @@ async def test_one_failing_prompt_cancels_and_closes_its_siblings() -> None:
 
 async def test_merge_remaps_choice_index_and_sums_usage() -> None:
     engine = FakeEngine({0: [65, 66], 1: [67], 2: [68, 69, 70]})
-    s = StreamSession(ctx_for([plan(0), plan(1), plan(2)]), engine, FakeDerender(),  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0), plan(1), plan(2)]), engine.stream, FakeDerender(),  # type: ignore[arg-type]
                       queue_chunks=8)
     await s.open()
     events = [e async for e in s.events()]
@@ -196,7 +196,7 @@ async def test_merge_remaps_choice_index_and_sums_usage() -> None:
 
 async def test_stop_string_ends_the_stream_and_closes_the_engine_stream() -> None:
     engine = FakeEngine({0: [ord(c) for c in "hello world and more"]})
-    s = StreamSession(ctx_for([plan(0, stop=(" wor",))]), engine, FakeDerender(),  # type: ignore[arg-type]
+    s = StreamSession(ctx_for([plan(0, stop=(" wor",))]), engine.stream, FakeDerender(),  # type: ignore[arg-type]
                       queue_chunks=8)
     await s.open()
     events = [e async for e in s.events()]

@@ -22,10 +22,10 @@ from coordinator.config import Settings
 from coordinator.observability.record import Record
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.chat_form import ConversionUnavailable
+from coordinator.pipeline.context import ChunkStream
 from coordinator.pipeline.errors import PipelineError
 from coordinator.pipeline.messages.convert import MessageStream, error_event, to_message
 from coordinator.pipeline.messages.translate import MessagesTranslator, in_messages_terms
-from coordinator.pipeline.native_route import ChunkStream
 from coordinator.pipeline.service import Pipeline
 
 OPERATION = "messages.create"

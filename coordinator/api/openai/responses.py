@@ -23,9 +23,8 @@ from coordinator.config import Settings
 from coordinator.observability.record import Record
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.chat_form import ConversionUnavailable
-from coordinator.pipeline.context import RequestContext
+from coordinator.pipeline.context import ChunkStream, RequestContext
 from coordinator.pipeline.errors import PipelineError
-from coordinator.pipeline.native_route import ChunkStream
 from coordinator.pipeline.responses.answer import ResponseEvents, to_response
 from coordinator.pipeline.responses.convert import Event, ResponsesForm
 from coordinator.pipeline.responses.translate import ResponsesTranslator, in_responses_terms

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from coordinator.api.openai.errors import sse_error_frame
 from coordinator.observability.record import Record
-from coordinator.pipeline.native_route import ChunkStream
+from coordinator.pipeline.context import ChunkStream
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
