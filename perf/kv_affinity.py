@@ -59,9 +59,8 @@ from coordinator.config import (
     Settings,
 )
 from coordinator.embedded import EmbeddedCoordinator, free_port
-from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.scheduling.pickers import MaxScorePicker
-from coordinator.pipeline.scheduling.scorers import ScoringInput
+from coordinator.pipeline.scheduling.types import E, EngineView, ScoringInput
 from perf._report import Progress, final_json, save_figure, summary_ms, write_report
 from token_engine.simulator import PrefixCache, SimConfig, SimulatedEngine
 from token_engine.simulator.prefix_cache import block_hashes as sim_block_hashes
@@ -174,7 +173,7 @@ class OracleScorer:
     def __init__(self, caches: dict[str, CacheView]) -> None:
         self.caches = caches
 
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
         hashes = sim_block_hashes(data.req.prompt_token_ids, BLOCK_SIZE, data.req.cache_salt)
         total = max(1, data.req.prompt_tokens)
         return [_cached_blocks(self.caches[e.url], hashes) * BLOCK_SIZE / total for e in engines]
@@ -260,7 +259,7 @@ class LeastLoadTiePicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
+    def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         best = max(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
         least = min(e.inflight_tokens for e in tied)

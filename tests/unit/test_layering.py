@@ -153,3 +153,12 @@ def test_deployables_import_only_the_coordinators_shared_modules(package: str) -
     for module in used:
         deps = {n for n in _imports(coordinator[module]) if n.split(".")[0] == "coordinator"}
         assert not deps, f"{module} is shared with {package} but imports {sorted(deps)}"
+
+
+def test_scheduling_plugins_see_engines_only_through_their_view() -> None:
+    """Filters, scorers and pickers are typed against ``scheduling/types.py``'s read-only
+    ``EngineView``: none of them may reach for the registry's ``Engine`` (and what it could change)."""
+    plugins = ROOT / "coordinator" / "pipeline" / "scheduling"
+    for name in ("types", "filters", "scorers", "pickers"):
+        deps = _imports(plugins / f"{name}.py")
+        assert "coordinator.pipeline.engines.registry" not in deps, f"scheduling/{name}.py imports the registry"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from coordinator.pipeline.scheduling.request import SchedRequest
-from coordinator.pipeline.scheduling.scorers import ScoringInput
+from coordinator.pipeline.scheduling.types import ScoringInput
 from perf.kv_affinity import (
     BLOCK_SIZE,
     LeastLoadTiePicker,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, Slot
 from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.scheduling.request import Placement
+from coordinator.pipeline.scheduling.types import EngineView
 
 
 class TokenLedger:
@@ -47,7 +48,7 @@ class TokenLedger:
         """Tokens reserved over all engines and not yet released (each request counted once)."""
         return self._global_inflight
 
-    def engine_room(self, engine: Engine, tokens: int) -> bool:
+    def engine_room(self, engine: EngineView, tokens: int) -> bool:
         """Can ``engine`` take ``tokens`` more (what other processes hold there counted too)?
 
         The engine's own report bounds what the counts may get wrong (processes the fleet does not

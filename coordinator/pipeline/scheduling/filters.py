@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
-from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.scheduling.request import SchedRequest
-
-
-class Filter(Protocol):
-    name: str
-
-    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]: ...
+from coordinator.pipeline.scheduling.types import E, EngineView
 
 
 class NotTried:
@@ -20,7 +13,7 @@ class NotTried:
 
     name = "not_tried"
 
-    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+    def __call__(self, req: SchedRequest, engines: Sequence[E], tokens: int) -> list[E]:
         return [e for e in engines if e.url not in req.exclude]
 
 
@@ -29,10 +22,10 @@ class HasRoom:
 
     name = "has_room"
 
-    def __init__(self, room: Callable[[Engine, int], bool]) -> None:
+    def __init__(self, room: Callable[[EngineView, int], bool]) -> None:
         self._room = room
 
-    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+    def __call__(self, req: SchedRequest, engines: Sequence[E], tokens: int) -> list[E]:
         return [e for e in engines if self._room(e, tokens)]
 
 
@@ -45,7 +38,7 @@ class QueueDepth:
     def __init__(self, max_waiting: int) -> None:
         self._max = max_waiting
 
-    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+    def __call__(self, req: SchedRequest, engines: Sequence[E], tokens: int) -> list[E]:
         return [e for e in engines if e.telemetry.waiting is None or e.telemetry.waiting <= self._max]
 
 
@@ -57,7 +50,7 @@ class Capable:
 
     name = "capable"
 
-    def __call__(self, req: SchedRequest, engines: Sequence[Engine], tokens: int) -> list[Engine]:
+    def __call__(self, req: SchedRequest, engines: Sequence[E], tokens: int) -> list[E]:
         if not req.needs:
             return list(engines)
         return [e for e in engines if e.can_all(req.needs)]

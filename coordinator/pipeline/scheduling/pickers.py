@@ -9,14 +9,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.scheduling.scorers import ScoringInput
-
-
-class Picker(Protocol):
-    name: str
-
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine: ...
+from coordinator.pipeline.scheduling.types import E, EngineView, ScoringInput
 
 
 class MaxScorePicker:
@@ -28,7 +21,7 @@ class MaxScorePicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
+    def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         best = max(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
         return tied[next(self._turn) % len(tied)]
@@ -38,7 +31,7 @@ class MaxScorePicker:
 class Observer(Protocol):
     """A stage that learns from committed decisions (the scheduler calls it once per placement)."""
 
-    def observe(self, engine: Engine, data: ScoringInput) -> None: ...
+    def observe(self, engine: EngineView, data: ScoringInput) -> None: ...
 
 
 class BoundedLoadPicker:
@@ -64,7 +57,7 @@ class BoundedLoadPicker:
         self._founded: Counter[str] = Counter()   # ... of which were cold (nothing cached anywhere)
         self._ties = MaxScorePicker()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
+    def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         self._forget(self._clock())
         # Shares within this pool only (another model's or role's engines have their own).
         fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
@@ -82,7 +75,7 @@ class BoundedLoadPicker:
             allowed = [i for i in allowed if self._founded[engines[i].url] == least]
         return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed], data)
 
-    def observe(self, engine: Engine, data: ScoringInput) -> None:
+    def observe(self, engine: EngineView, data: ScoringInput) -> None:
         now = self._clock()
         cold = not data.matched_blocks
         self._recent.append((now, engine.url, cold))
@@ -103,7 +96,7 @@ class RoundRobinPicker:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
+    def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         return engines[next(self._turn) % len(engines)]
 
 
@@ -113,7 +106,7 @@ class RandomPicker:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def __call__(self, engines: Sequence[Engine], scores: Sequence[float], data: ScoringInput) -> Engine:
+    def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         return self._rng.choice(list(engines))
 
 

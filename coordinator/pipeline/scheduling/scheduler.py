@@ -17,12 +17,13 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
-from coordinator.pipeline.scheduling.filters import Capable, Filter, HasRoom, NotTried, QueueDepth
-from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer, Picker
+from coordinator.pipeline.scheduling.filters import Capable, HasRoom, NotTried, QueueDepth
+from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer
 from coordinator.pipeline.scheduling.prefix.hashing import BlockHash, block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
-from coordinator.pipeline.scheduling.scorers import SCORERS, Scorer, ScoringInput
+from coordinator.pipeline.scheduling.scorers import SCORERS
+from coordinator.pipeline.scheduling.types import EngineView, Filter, Picker, Scorer, ScoringInput
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Profile:
     picker: Picker
 
 
-def build_profile(settings: SchedulingSettings, room: Callable[[Engine, int], bool],
+def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool],
                   max_waiting: int | None) -> Profile:
     named: list[tuple[str, float]]
     picker_name: str

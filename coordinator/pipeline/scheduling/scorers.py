@@ -3,31 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
-from coordinator.pipeline.engines.registry import Engine
-from coordinator.pipeline.scheduling.request import SchedRequest
-
-
-@dataclass
-class ScoringInput:
-    """Facts computed once per decision and shared by every scorer."""
-
-    req: SchedRequest
-    matched_blocks: dict[str, int]  # engine url → leading prompt blocks it holds (prefix index)
-    block_size: int
-    continuing: frozenset[str] = frozenset()  # engines where the request extends its own chain
-
-    def matched_tokens(self, engine: Engine) -> int:
-        n = self.matched_blocks.get(engine.url)
-        return 0 if n is None else min(n * self.block_size, self.req.prompt_tokens)
-
-
-class Scorer(Protocol):
-    name: str
-
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]: ...
+from coordinator.pipeline.scheduling.types import EngineView, ScoringInput
 
 
 class PrefixScorer:
@@ -35,7 +12,7 @@ class PrefixScorer:
 
     name = "prefix"
 
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
         if not data.matched_blocks:
             return [0.0] * len(engines)
         total = max(1, data.req.prompt_tokens)
@@ -47,7 +24,7 @@ class LoadScorer:
 
     name = "load"
 
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
         return [max(0.0, 1.0 - e.inflight_tokens / e.token_budget) for e in engines]
 
 
@@ -56,7 +33,7 @@ class QueueScorer:
 
     name = "queue"
 
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
         return [1.0 / (1.0 + (e.telemetry.waiting or 0)) for e in engines]
 
 
@@ -65,7 +42,7 @@ class KvUsageScorer:
 
     name = "kv_usage"
 
-    def __call__(self, data: ScoringInput, engines: Sequence[Engine]) -> list[float]:
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
         return [1.0 - min(1.0, e.telemetry.kv_usage or 0.0) for e in engines]
 
 
