@@ -108,7 +108,7 @@ def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, 
             aff.flush_learning()
             d = wall()
             m0 = wall()
-            aff._lookup(req.block_hashes)   # the match alone, timed apart (read-only)
+            aff.memory.lookup(req.block_hashes)   # the match alone, timed apart (read-only)
             m1 = wall()
             assert placed is not None
             matched.append(placed.matched_tokens)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,8 +18,9 @@ from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
 from coordinator.pipeline.scheduling.filters import Capable, HasRoom, NotTried, QueueDepth
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer
-from coordinator.pipeline.scheduling.prefix.hashing import BlockHash, block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 from coordinator.pipeline.scheduling.scorers import SCORERS
 from coordinator.pipeline.scheduling.types import EngineView, Filter, Picker, Scorer, ScoringInput
@@ -79,16 +79,6 @@ def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int]
     return Profile(settings.policy, filters, scorers, picker)
 
 
-class _Differs:
-    """``bisect`` key: whether two chains differ at a depth (False up to their common prefix)."""
-
-    def __init__(self, a: Sequence[BlockHash], b: Sequence[BlockHash]) -> None:
-        self.a, self.b = a, b
-
-    def __call__(self, i: int) -> bool:
-        return self.a[i] != self.b[i]
-
-
 def soon(work: Callable[[], None]) -> None:
     """Run ``work`` on the event loop's next turn, after the current request has gone on its way (at
     once when no loop runs: scripts, benchmarks)."""
@@ -109,19 +99,15 @@ class Scheduler:
         right now must already attract its followers. ``defer``: how what decisions teach the index
         is applied later, in one batch (e.g. ``soon``; None: at once, inside ``place``). A decision
         only reads the index; until the batch runs, later decisions read the unapplied lessons
-        directly (``_lookup``), so they see what they would have seen without deferral."""
+        directly (``PrefixMemory.lookup``), so they see what they would have seen without deferral."""
         self._registry = registry
         self.profile = profile
-        self.index = index
-        self.pending = pending
+        self.memory = PrefixMemory(index, pending, learn=learn, defer=defer)
         self._block_size = block_size
-        self._learns = learn and index is not None
         self._topology = topology
         self._metrics = metrics
         self._scores_prefix = any(scorer.name == "prefix" for scorer, _ in profile.scorers)
         self._panic: set[tuple[str, EngineRole]] = set()  # (model, role) routed in panic right now
-        self._defer = defer
-        self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
 
     # -- public ---------------------------------------------------------------------------------
     def uses_handoff(self, model: str, needs: frozenset[Capability] = NO_NEEDS) -> bool:
@@ -147,7 +133,7 @@ class Scheduler:
         handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
-        matched, continuing = self._lookup(req.block_hashes)  # once, for every role below
+        matched, continuing = self.memory.lookup(req.block_hashes)  # once, for every role below
         data = ScoringInput(req, matched, self._block_size, continuing)
         if not handoff:
             engine = self._choose(data, "union", req.cost_tokens)
@@ -189,7 +175,7 @@ class Scheduler:
         engine already holds the request's KV blocks, and waiting here would only hold them longer.
         Raises ``NoHealthyEngine`` when no prefill engine can take it."""
         self._prepare(req)
-        matched, continuing = self._lookup(req.block_hashes)
+        matched, continuing = self.memory.lookup(req.block_hashes)
         data = ScoringInput(req, matched, self._block_size, continuing)
         tokens = req.prompt_tokens + 1
         engine = self._choose(data, "prefill", tokens)
@@ -200,7 +186,7 @@ class Scheduler:
                 raise NoHealthyEngine(f"No prefill engine can take a request for {req.model!r} right now")
             engine = min(pool, key=lambda e: e.inflight_tokens)
         engine.breaker.on_pick()
-        self._learn(engine, req)
+        self.memory.learn(engine.url, req.block_hashes)
         return engine
 
     def has_other_engine(self, req: SchedRequest) -> bool:
@@ -213,26 +199,22 @@ class Scheduler:
         return any(e.url not in req.exclude and e.can_all(req.needs)
                    for role in roles for e in self._eligible(req.model, role))
 
+    @property
+    def index(self) -> PrefixIndex | None:
+        return self.memory.index
+
     def forget(self, engine_url: str) -> None:
-        self._unlearned = [(url, hashes) for url, hashes in self._unlearned if url != engine_url]
-        for index in (self.index, self.pending):
-            if index is not None:
-                index.clear(engine_url)
+        self.memory.forget(engine_url)
 
     def flush_learning(self) -> None:
         """Apply the decisions' lessons to the index (and the pending layer), oldest first."""
-        batch, self._unlearned = self._unlearned, []
-        for url, hashes in batch:
-            if self._learns and self.index is not None:
-                self.index.add(url, hashes)
-            if self.pending is not None:
-                self.pending.add(url, hashes)
+        self.memory.flush()
 
     def export_metrics(self) -> None:
         """Size of the prefix index and its pending layer, for ``/metrics`` (called at scrape time)."""
         if self._metrics is None:
             return
-        for name, index in (("index", self.index), ("pending", self.pending)):
+        for name, index in (("index", self.memory.index), ("pending", self.memory.pending)):
             if index is not None:
                 self._metrics.prefix_index(name, index)
 
@@ -264,7 +246,7 @@ class Scheduler:
                    for e in self._registry.eligible(req.model, role))
 
     def _prepare(self, req: SchedRequest) -> None:
-        if self.index is None and self.pending is None:
+        if not self.memory.active:
             return
         source = "render"
         if req.block_hashes is None:
@@ -315,57 +297,6 @@ class Scheduler:
                         "(panic) while their breakers allow", role, model)
         return eligible
 
-    def _lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
-        """Blocks each engine holds (the longest of the index, the pending layer and the lessons not
-        applied yet), and the engines where the request extends its own chain: its match ends at a
-        leaf or covers the prompt."""
-        matched: dict[str, int] = {}
-        continuing: set[str] = set()
-        if not hashes:
-            return matched, frozenset()
-        indexes = [ix for ix in (self.index, self.pending) if ix is not None]
-        unlearned = self._unlearned
-        lands_in = [ix for ix in (self.index if self._learns else None, self.pending) if ix is not None]
-
-        def extends(n: int, shapes: Sequence[PrefixIndex]) -> bool:
-            """The match of ``n`` blocks covers the prompt or ends at a leaf: no block of ``shapes``
-            or about to be indexed continues its last one (chains are position-tagged, so only
-            depth ``n - 1`` of a lesson can hold it)."""
-            if n == len(hashes):
-                return True
-            h = hashes[n - 1]
-            return (all(ix.continues(h) for ix in shapes)
-                    and not any(len(c) > n and c[n - 1] == h for _, c in unlearned))
-
-        def note(url: str, n: int, shapes: Sequence[PrefixIndex]) -> None:
-            best = matched.get(url, 0)
-            if n > best:
-                matched[url] = n
-                continuing.discard(url)
-            if n >= best and extends(n, shapes):
-                continuing.add(url)
-
-        for index in indexes:
-            for url, n in index.match(hashes).items():
-                note(url, n, (index,))
-        for url, chain in unlearned:
-            # Equal chained hashes at a depth mean equal prefixes up to it: bisect for the first
-            # difference.
-            n = bisect_left(range(min(len(chain), len(hashes))), True, key=_Differs(chain, hashes))
-            if n:
-                note(url, n, lands_in)
-        return matched, frozenset(continuing)
-
-    def _learn(self, engine: Engine, req: SchedRequest) -> None:
-        """The decision feeds the prefix index (approximate source) and the pending layer."""
-        if not req.block_hashes or not (self._learns or self.pending is not None):
-            return
-        self._unlearned.append((engine.url, req.block_hashes))
-        if self._defer is None:
-            self.flush_learning()
-        elif len(self._unlearned) == 1:
-            self._defer(self.flush_learning)
-
     def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
         req = data.req
         m = self._metrics
@@ -375,7 +306,7 @@ class Scheduler:
             e.breaker.on_pick()
             if m is not None and not e.healthy:
                 m.panic_decisions.labels(e.role).inc()
-            self._learn(e, req)
+            self.memory.learn(e.url, req.block_hashes)
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
             m.handoffs.labels(path).inc()
