@@ -11,13 +11,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coordinator.config import EngineRole, SchedulingSettings, TopologySettings
+from coordinator.config import EngineRole, PdProtocol, SchedulingSettings, TopologySettings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
 from coordinator.pipeline.engines.registry import Engine, EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
 from coordinator.pipeline.scheduling.filters import Capable, HasRoom, NotTried, QueueDepth
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer
+from coordinator.pipeline.scheduling.placement import handoff as pd
+from coordinator.pipeline.scheduling.placement import hybrid, union
 from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
@@ -33,11 +35,6 @@ PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
     "round_robin": ([], "round_robin"),
     "random": ([], "random"),
 }
-
-
-# The hybrid fallback's order, each with its coordinator_pd_decisions path (docs/scheduling.md).
-_FALLBACKS: tuple[tuple[EngineRole, str], ...] = (
-    ("union", "fallback_union"), ("prefill", "fallback_prefill"), ("decode", "decode_only"))
 
 
 _CAPABLE = Capable()
@@ -129,45 +126,22 @@ class Scheduler:
                                 for e in self._registry.engines)
 
     def place(self, req: SchedRequest) -> Placement | None:
-        """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine."""
+        """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine. The
+        rules are in ``placement/``; this picks the one for the request's topology."""
         handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
         matched, continuing = self.memory.lookup(req.block_hashes)  # once, for every role below
         data = ScoringInput(req, matched, self._block_size, continuing)
         if not handoff:
-            engine = self._choose(data, "union", req.cost_tokens)
-            return None if engine is None else self._commit(data, Placement(engine, None,
-                                                                            data.matched_tokens(engine)))
+            return union.place(self, data)
         if req.scores_prompt:  # a decode engine handed the prompt's KV never computes its logprobs
-            decode = self._choose(data, "decode", req.cost_tokens)
-            return None if decode is None else self._commit(
-                data, Placement(decode, None, data.matched_tokens(decode)), path="decode_only")
+            return pd.decode_only(self, data)
         if self._topology.hybrid_fallback:
-            applies, fallback = self._hybrid(data)
+            applies, fallback = hybrid.place(self, data)
             if applies:
                 return fallback
-        decode = self._choose(data, "decode", req.cost_tokens)
-        if decode is None:
-            return None
-        local = Placement(decode, None, data.matched_tokens(decode))
-        if req.prompt_tokens - local.matched_tokens < self._topology.pd_min_uncached_tokens:
-            return self._commit(data, local, path="decode_only")
-        if self._registry.pd_protocol(req.model) == "trigger":
-            # Decode first; the prefill engine is chosen when the decode engine calls back
-            # (place_prefill). With no prefill engine at all the decode engine prefills locally.
-            if not self._eligible(req.model, "prefill"):
-                return self._commit(data, local, path="decode_only")
-            local.trigger = True
-            return self._commit(data, local, path="trigger")
-        try:
-            prefill = self._choose(data, "prefill", req.prompt_tokens + 1)
-        except NoHealthyEngine:
-            # No prefill engine left at all: the decode engine prefills locally rather than failing.
-            return self._commit(data, local, path="decode_only")
-        if prefill is None:
-            return None
-        return self._commit(data, Placement(decode, prefill, local.matched_tokens), path="handoff")
+        return pd.place(self, data)
 
     def place_prefill(self, req: SchedRequest) -> Engine:
         """Trigger: the prefill engine for ``req``, chosen when its decode engine calls back. Among
@@ -178,9 +152,9 @@ class Scheduler:
         matched, continuing = self.memory.lookup(req.block_hashes)
         data = ScoringInput(req, matched, self._block_size, continuing)
         tokens = req.prompt_tokens + 1
-        engine = self._choose(data, "prefill", tokens)
+        engine = self.choose(data, "prefill", tokens)
         if engine is None:
-            pool = [e for e in self._eligible(req.model, "prefill")
+            pool = [e for e in self.eligible(req.model, "prefill")
                     if e.url not in req.exclude and e.breaker.available() and e.can_all(req.needs)]
             if not pool:
                 raise NoHealthyEngine(f"No prefill engine can take a request for {req.model!r} right now")
@@ -197,7 +171,7 @@ class Scheduler:
         if handoff:
             roles = ("decode", "union", "prefill") if self._topology.hybrid_fallback else ("decode",)
         return any(e.url not in req.exclude and e.can_all(req.needs)
-                   for role in roles for e in self._eligible(req.model, role))
+                   for role in roles for e in self.eligible(req.model, role))
 
     @property
     def index(self) -> PrefixIndex | None:
@@ -218,28 +192,15 @@ class Scheduler:
             if index is not None:
                 self._metrics.prefix_index(name, index)
 
-    # -- stages ---------------------------------------------------------------------------------
-    def _hybrid(self, data: ScoringInput) -> tuple[bool, Placement | None]:
-        """The hybrid fallback (docs/scheduling.md) when no P/D pair can take the request: a role has no
-        engine that is healthy, not refused by its breaker and not already failed by this request.
-        Then a union engine runs it, else a prefill engine alone, else (prefill missing) the decode
-        engine prefills locally. Returns (whether the fallback applies, its placement or None to wait
-        for capacity); when it does not apply (a pair is routable, or nothing is) the usual rule does."""
-        req = data.req
-        routable: dict[EngineRole, bool] = {role: self._routable(req, role) for role in ("decode", "prefill")}
-        if all(routable.values()):
-            return False, None
-        routable["union"] = self._routable(req, "union")
-        for role, path in _FALLBACKS:
-            if routable[role]:
-                engine = self._choose(data, role, req.cost_tokens)
-                if engine is None:
-                    return True, None  # routable but full right now: wait for it
-                placement = Placement(engine, None, data.matched_tokens(engine))
-                return True, self._commit(data, placement, path=path)
-        return False, None
+    # -- the steps placement rules share (placement/base.py, Placer) ---------------------------
+    @property
+    def topology(self) -> TopologySettings:
+        return self._topology
 
-    def _routable(self, req: SchedRequest, role: EngineRole) -> bool:
+    def pd_protocol(self, model: str) -> PdProtocol:
+        return self._registry.pd_protocol(model)
+
+    def routable(self, req: SchedRequest, role: EngineRole) -> bool:
         """Probe-healthy: a fleet whose decode engines all look down goes to a healthy union engine
         before panic routing to them is considered."""
         return any(e.url not in req.exclude and e.breaker.available() and e.can_all(req.needs)
@@ -257,9 +218,9 @@ class Scheduler:
             req.hashes_counted = True
             self._metrics.prefix_hashes.labels(source).inc()
 
-    def _choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
+    def choose(self, data: ScoringInput, role: EngineRole, tokens: int) -> Engine | None:
         req = data.req
-        eligible = self._eligible(req.model, role)
+        eligible = self.eligible(req.model, role)
         eligible = _CAPABLE(req, eligible, tokens)  # first: the other filters never see an incapable engine
         if not eligible:
             raise NoHealthyEngine(f"No healthy {role} engine can serve model {req.model!r} right now")
@@ -279,7 +240,7 @@ class Scheduler:
                 totals[i] += weight * s
         return self.profile.picker(pool, totals, data)
 
-    def _eligible(self, model: str, role: EngineRole) -> list[Engine]:
+    def eligible(self, model: str, role: EngineRole) -> list[Engine]:
         """Healthy engines; when probes call every one unhealthy, those no open breaker refuses (panic
         routing, docs/scheduling.md): better a request that may fail than a certain 503. Not for the
         prefill role: without a prefill engine the decode engine prefills locally, a sure path."""
@@ -297,7 +258,7 @@ class Scheduler:
                         "(panic) while their breakers allow", role, model)
         return eligible
 
-    def _commit(self, data: ScoringInput, placement: Placement, path: str = "union") -> Placement:
+    def commit(self, data: ScoringInput, placement: Placement, path: str) -> Placement:
         req = data.req
         m = self._metrics
         if isinstance(self.profile.picker, Observer):
