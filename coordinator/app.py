@@ -35,9 +35,10 @@ from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.stream import Coalescing
 from coordinator.pipeline.engines.client import EngineClient
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.obfuscating import build_engine_client
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
 from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute

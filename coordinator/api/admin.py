@@ -19,7 +19,8 @@ from coordinator.api.openai.errors import error_response
 from coordinator.config import EngineSettings
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.admission.tenants import DEFAULT
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import BadRequest, ModelNotFound, PipelineError
 
 _ENGINE_LIST = TypeAdapter(list[EngineSettings])

@@ -41,9 +41,10 @@ from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.catalog import ModelEntry
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.engines.capabilities import NATIVE_API
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.http_errors import EngineUnreachable
 from coordinator.pipeline.engines.native import NativeClient
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import (
     PipelineError,
     UpstreamTimeout,

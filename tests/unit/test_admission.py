@@ -17,7 +17,7 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController, Grant
 from coordinator.pipeline.engines.breaker import CircuitBreaker
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import NoHealthyEngine, QueueFull, QueueTimeout
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 

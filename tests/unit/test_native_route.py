@@ -265,8 +265,8 @@ def test_what_an_engine_status_means_for_the_token_route(status: int, body: Any,
     """Only a missing route (bare 404, 501, vLLM's 'scale-out disabled' 403) may send a request to the
     native route; a model 404 or another 403 is the client's error."""
     from coordinator.pipeline.engines.breaker import CircuitBreaker
+    from coordinator.pipeline.engines.engine import Engine
     from coordinator.pipeline.engines.http_errors import raise_for_token_route
-    from coordinator.pipeline.engines.registry import Engine
 
     engine = Engine(url="http://e0", role="union", model=None, weight=1.0, token_budget=1,
                     breaker=CircuitBreaker(3, 10.0))
@@ -289,8 +289,8 @@ def test_what_an_engine_status_means_on_its_own_api(status: int, body: Any, expe
     """The native route reads the same answers by the same rules: only an OpenAI error body is the
     engine's verdict on the client's request; a bare 401 is the coordinator's credential."""
     from coordinator.pipeline.engines.breaker import CircuitBreaker
+    from coordinator.pipeline.engines.engine import Engine
     from coordinator.pipeline.engines.http_errors import raise_for_openai_route
-    from coordinator.pipeline.engines.registry import Engine
 
     engine = Engine(url="http://e0", role="union", model=None, weight=1.0, token_budget=1,
                     breaker=CircuitBreaker(3, 10.0))

@@ -21,7 +21,7 @@ from coordinator.observability.record import (
 )
 from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.engines.client import EngineClient
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import QueueFull
 
 

@@ -22,7 +22,8 @@ from coordinator.config import (
 )
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.discovery import DnsDiscovery, resolve_addresses
-from coordinator.pipeline.engines.registry import PROBE_TIMEOUTS_UNHEALTHY, Engine, EngineRegistry
+from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.engines.registry import PROBE_TIMEOUTS_UNHEALTHY, EngineRegistry
 from coordinator.pipeline.engines.telemetry import Telemetry, parse_metrics, scrape
 from token_engine.simulator import SimConfig, SimulatedEngine
 

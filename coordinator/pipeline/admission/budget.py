@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from coordinator.pipeline.admission.fleet import GLOBAL, Fleet, LocalFleet, Slot
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.scheduling.request import Placement
 from coordinator.pipeline.scheduling.types import EngineView
 

@@ -61,7 +61,7 @@ from coordinator.config import AdmissionSettings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import Reservation, TokenLedger, tenant_slot, waiting_slot
 from coordinator.pipeline.admission.shares import fair_allocation
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import NoHealthyEngine, QueueFull, QueueTimeout
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 

@@ -20,13 +20,13 @@ from httpx_sse import EventSource
 from coordinator.config import EngineClientSettings
 from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.http_errors import (
     raise_for_token_route,
     send_failed,
     stream_error_event,
     stream_failed,
 )
-from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.http_lanes import Lanes, json_or_none, transport
 from coordinator.pipeline.obfuscation import Obfuscator

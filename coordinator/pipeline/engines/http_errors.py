@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import (
     BUSY_STATUSES,
     EngineBusy,

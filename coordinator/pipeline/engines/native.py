@@ -21,13 +21,13 @@ from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
 from coordinator.pipeline.engines.client import call_headers
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.http_errors import (
     raise_for_openai_route,
     send_failed,
     stream_error_event,
     stream_failed,
 )
-from coordinator.pipeline.engines.registry import Engine
 from coordinator.pipeline.errors import UpstreamUnavailable
 from coordinator.pipeline.http_lanes import KEEPALIVE_EXPIRY_S, json_or_none
 from coordinator.pipeline.http_lanes import transport as http_transport

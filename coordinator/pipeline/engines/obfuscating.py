@@ -19,7 +19,7 @@ from typing import Any
 
 from coordinator.config import EngineClientSettings, Settings
 from coordinator.pipeline.engines.client import EngineClient
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import BadRequest, UpstreamUnavailable
 from coordinator.pipeline.obfuscation import (
     KeyedPermutation,

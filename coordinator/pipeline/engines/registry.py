@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
@@ -23,20 +22,17 @@ from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
 from coordinator.pipeline.engines.capabilities import (
-    NATIVE_API,
-    TOKENIZER,
-    Capability,
     probe_tokenizer,
 )
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
-from coordinator.pipeline.engines.telemetry import Telemetry, scrape
+from coordinator.pipeline.engines.engine import Engine, EngineState
+from coordinator.pipeline.engines.telemetry import scrape
 
-__all__ = ["Engine", "EngineEvent", "EngineRegistry", "EngineState", "Listener", "Telemetry"]
+__all__ = ["EngineEvent", "EngineRegistry", "Listener"]
 
 log = logging.getLogger(__name__)
 
 
-EngineState = Literal["healthy", "unhealthy", "draining"]
 EngineEvent = Literal["added", "removed", "state"]
 Listener = Callable[[str, "Engine"], None]
 """``(event, engine)``: "added"; "removed" (dropped for good); "state" (state, breaker or config changed)."""
@@ -45,71 +41,6 @@ _STATES: tuple[EngineState, ...] = ("healthy", "unhealthy", "draining")
 _BREAKER_VALUE: dict[BreakerState, int] = {"closed": 0, "half_open": 1, "open": 2}
 _PROBE_TIMEOUT_S = 2.0
 PROBE_TIMEOUTS_UNHEALTHY = 3  # consecutive timed-out probes before an engine counts as unhealthy
-
-
-@dataclass(eq=False)
-class Engine:
-    url: str
-    role: EngineRole
-    model: str | None
-    weight: float
-    token_budget: int
-    breaker: CircuitBreaker
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-    native_api: bool = False         # also serves the OpenAI API (the native route may use it)
-    max_model_len: int | None = None  # configured when shorter than the model's
-    pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
-    tokenizer: bool | None = None    # configured: loads a tokenizer (grammars, bad_words); None = as learned
-    learned_tokenizer: bool | None = None  # asked of the engine (capabilities.py); None = not known yet
-    api_key: str | None = None       # the coordinator's bearer token for an engine run with --api-key
-    inflight_requests: int = 0
-    inflight_tokens: int = 0
-    telemetry: Telemetry = field(default_factory=Telemetry)
-    # Inputs of ``state`` (set them through the registry, which publishes and announces changes):
-    drain_requested: bool = False    # config ``drain: true`` or ``drain(url)``
-    removed: bool = False            # gone from config/discovery: dropped once idle
-    probe_ok: bool | None = None     # last health verdict; None = not probed yet (counts as healthy)
-    probe_timeouts: int = 0          # consecutive probes that got no answer in time
-
-    def serves(self, model: str) -> bool:
-        return self.model is None or self.model == model
-
-    def can(self, capability: Capability) -> bool:
-        """Whether the engine can run what ``capability`` names (capabilities.py). Not known yet
-        counts as no: a constrained request must never reach an engine that would drop or refuse it."""
-        if capability == NATIVE_API:
-            return self.native_api
-        if capability == TOKENIZER:
-            return self.tokenizer if self.tokenizer is not None else self.learned_tokenizer is True
-        return False
-
-    def can_all(self, needs: frozenset[Capability]) -> bool:
-        return all(self.can(c) for c in needs)
-
-    @property
-    def state(self) -> EngineState:
-        """Draining wins over health, so a good probe never puts a draining engine back in rotation;
-        not probed yet counts as healthy (optimistic until the first probe says otherwise)."""
-        if self.removed or self.drain_requested:
-            return "draining"
-        return "unhealthy" if self.probe_ok is False else "healthy"
-
-    @property
-    def healthy(self) -> bool:
-        # ``state == "healthy"`` spelled out: read for every engine on every scheduling decision.
-        return self.probe_ok is not False and not self.removed and not self.drain_requested
-
-    @property
-    def draining(self) -> bool:
-        return self.state == "draining"
-
-    @property
-    def available(self) -> bool:
-        """Can take a new request now: healthy, not draining, breaker lets it through."""
-        return self.healthy and self.breaker.available()
-
-
 
 
 def _secret(value: SecretStr | None) -> str | None:

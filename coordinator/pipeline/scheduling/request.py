@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from coordinator.pipeline.engines.capabilities import NATIVE_API, NO_NEEDS, Capability
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 
 
 @dataclass

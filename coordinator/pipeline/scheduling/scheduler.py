@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from coordinator.config import EngineRole, PdProtocol, SchedulingSettings, TopologySettings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
 from coordinator.pipeline.scheduling.filters import Capable, HasRoom, NotTried, QueueDepth
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer

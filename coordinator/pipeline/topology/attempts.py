@@ -49,8 +49,9 @@ from coordinator.observability.metrics import Metrics
 from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant, PrefillTokens, no_prefill
 from coordinator.pipeline.engines.capabilities import Capability
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.http_errors import EngineStreamError, EngineUnreachable
-from coordinator.pipeline.engines.registry import Engine, EngineRegistry
+from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import (
     EngineBusy,
     TokenRouteMissing,

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.capabilities import has_grammar
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import (
     RelayDiverged,
     UpstreamClientError,

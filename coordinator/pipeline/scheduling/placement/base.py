@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from coordinator.config import EngineRole, PdProtocol, TopologySettings
-from coordinator.pipeline.engines.registry import Engine
+from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 from coordinator.pipeline.scheduling.types import ScoringInput
 
