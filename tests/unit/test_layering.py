@@ -162,3 +162,27 @@ def test_scheduling_plugins_see_engines_only_through_their_view() -> None:
     for name in ("types", "filters", "scorers", "pickers"):
         deps = _imports(plugins / f"{name}.py")
         assert "coordinator.pipeline.engines.registry" not in deps, f"scheduling/{name}.py imports the registry"
+
+
+# What a door may take from the pipeline: the request runner and the request's vocabulary, the
+# tenant a key names, the model list, and the conversions of other APIs. The operator doors also
+# reach what they operate (admin: admission and the engine pool; the metaserver: trigger callbacks).
+DOOR_FACES = ("coordinator.pipeline.service", "coordinator.pipeline.context", "coordinator.pipeline.errors",
+              "coordinator.pipeline.admission.tenants", "coordinator.pipeline.catalog",
+              "coordinator.pipeline.chat_form", "coordinator.pipeline.messages", "coordinator.pipeline.responses")
+OPERATOR_FACES = {
+    "coordinator.api.admin": ("coordinator.pipeline.admission.controller", "coordinator.pipeline.engines.registry",
+                              "coordinator.pipeline.engines.engine"),
+    "coordinator.api.metaserver": ("coordinator.pipeline.topology.trigger",),
+}
+
+
+def test_doors_reach_the_pipeline_only_through_its_faces() -> None:
+    def allowed(door: str, target: str) -> bool:
+        faces = DOOR_FACES + OPERATOR_FACES.get(door, ())
+        return any(target == f or target.startswith(f + ".") for f in faces)
+
+    beyond = sorted(f"{m} -> {n}" for m, deps in _graph().items()
+                    if m.startswith(("coordinator.api", "coordinator.nnrp"))
+                    for n in deps if n.startswith("coordinator.pipeline.") and not allowed(m, n))
+    assert not beyond, "doors reaching past the pipeline's faces:\n" + "\n".join(beyond)
