@@ -121,6 +121,18 @@ async def closed_loop(urls: list[str], body: dict[str, Any], clients: int, secon
     return out
 
 
+async def warm_up(urls: list[str], body: dict[str, Any]) -> None:
+    """One request through each coordinator before anything is measured: a process's first request
+    pays for its first connections to the render sidecar and the engines. On a loaded 2-core machine
+    that took seconds, and a capacity window that opened with those requests saw no completion."""
+    out: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(_one(client, url, body, out) for url in urls))
+    failed = [o for o in out if o["status"] != 200]
+    if failed:
+        raise RuntimeError(f"a coordinator failed its warm-up request: {failed}")
+
+
 async def open_loop(urls: list[str], body: dict[str, Any], rate: float, seconds: float, seed: int
                     ) -> list[dict[str, Any]]:
     rng = random.Random(seed)
@@ -207,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = config(render_url, engines, budget, fleet)
                 coords = [coords_stack.enter_context(CoordinatorProcess(cfg)).url
                           for _ in range(args.replicas)]
+                asyncio.run(warm_up(coords, body))
                 if backend == "redis":
                     say("capacity: closed loop through the fleet")
                     start = time.monotonic()
