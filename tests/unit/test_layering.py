@@ -157,11 +157,12 @@ def test_deployables_import_only_the_coordinators_shared_modules(package: str) -
 
 def test_scheduling_plugins_see_engines_only_through_their_view() -> None:
     """Filters, scorers and pickers are typed against ``scheduling/types.py``'s read-only
-    ``EngineView``: none of them may reach for the registry's ``Engine`` (and what it could change)."""
+    ``EngineView``: none of them may reach for the registry or its ``Engine`` (and what it could change)."""
     plugins = ROOT / "coordinator" / "pipeline" / "scheduling"
     for name in ("types", "filters", "scorers", "pickers"):
         deps = _imports(plugins / f"{name}.py")
-        assert "coordinator.pipeline.engines.registry" not in deps, f"scheduling/{name}.py imports the registry"
+        reached = deps & {"coordinator.pipeline.engines.registry", "coordinator.pipeline.engines.engine"}
+        assert not reached, f"scheduling/{name}.py imports {sorted(reached)}"
 
 
 # What a door may take from the pipeline: the request runner and the request's vocabulary, the
