@@ -45,6 +45,8 @@ from token_engine.vllm_server import VllmServer, stop_signals  # noqa: E402
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "local" / "coordinator.yaml"
 COORDINATOR_READY_TIMEOUT = 120.0
 
+TOOL_PARSER = "hermes"  # the parser make test's tool stack runs with this model (tests/conftest.py)
+
 
 def say(message: str) -> None:
     echo_line(f"[stack] {message}")
@@ -132,7 +134,9 @@ def run_stack(
     def log_path(name: str) -> Path | None:
         return None if log_dir is None else log_dir / f"{name}.log"
 
-    render_kwargs: dict[str, Any] = {}
+    # The hermes tool parser on render (and on the engine's own API, the render fallback): agent
+    # frameworks send tools with tool_choice auto or "required", which vLLM refuses without a parser.
+    render_kwargs: dict[str, Any] = {"tool_call_parser": TOOL_PARSER, "enable_auto_tool_choice": True}
     if plan.render_workers is not None:
         render_kwargs["renderer_num_workers"] = plan.render_workers
     render_names = ["render"] + [f"render-{i}" for i in range(1, len(plan.renders))]
@@ -146,6 +150,8 @@ def run_stack(
     engine = VllmEngine(
         model_dir, host=plan.engine_host, port=plan.engine_port, served_model_name=plan.model_name,
         mode=engine_mode, max_model_len=DEFAULT_MAX_MODEL_LEN, log_path=log_path("engine"),
+        extra_args=(["--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER]
+                    if engine_mode == "scale-out" else []),
     )
     coordinator: ManagedProcess | None = None
     servers: list[VllmServer] = [*renders, engine]
