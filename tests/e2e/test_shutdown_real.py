@@ -60,14 +60,20 @@ def test_sigterm_lets_the_open_stream_finish_then_exits_0(vllm_stack: VllmStack,
     with CoordinatorProcess(config(vllm_stack, drain_delay_s=delay, drain_timeout_s=120), tmp_path) as coord, \
             httpx.Client(base_url=coord.url, timeout=10) as probe:
         assert probe.get("/ready").status_code == 200
-        reader = StreamReader(coord.url, long_stream(150))
+        # 400 tokens: several seconds even on an idle machine, so the stream outlives the probe.
+        reader = StreamReader(coord.url, long_stream(400))
         reader.start()
         assert reader.first.wait(120) and reader.error is None
         sent = time.monotonic()
         os.kill(coord.process.pid, signal.SIGTERM)
         r = probe.get("/ready")
+        answered = time.monotonic()
         assert r.status_code == 503 and r.json()["draining"] is True and r.json()["ready"] is False
-        assert reader.is_alive(), "the stream must still be running while /ready says draining"
+        assert reader.error is None, reader.error
+        ended = reader.ended_at
+        assert ended is None or ended > answered, (
+            f"the stream must still be running while /ready says draining: it ended {answered - ended:.2f}s "
+            f"before the probe's answer ({answered - sent:.2f}s after the signal)")
         assert wait_until(lambda: refused(coord.url), timeout=delay + 10)
         refused_after = time.monotonic() - sent
         assert refused_after >= delay - 0.2  # requests were still accepted during the delay
@@ -78,7 +84,7 @@ def test_sigterm_lets_the_open_stream_finish_then_exits_0(vllm_stack: VllmStack,
         assert not any("error" in e for e in events if isinstance(e, dict))
         finish = [c["finish_reason"] for e in content_chunks(events) for c in e["choices"] if c.get("finish_reason")]
         assert finish == ["length"]
-        assert events[-2]["usage"]["completion_tokens"] == 150
+        assert events[-2]["usage"]["completion_tokens"] == 400
         rc = coord.process.wait(60)
         exited_after = time.monotonic() - sent
         assert rc == 0, coord.process.tail()
