@@ -28,10 +28,10 @@ import msgspec
 import numpy as np
 
 from coordinator.config import EngineSettings, PrefixIndexSettings, SchedulingSettings, Settings
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.engines.registry import EngineRegistry
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.request import SchedRequest
@@ -148,7 +148,7 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
     oldest blocks past ``keep_blocks`` (BlockRemoved), at ``batches_per_s`` batches per engine."""
     import zmq
 
-    from token_engine.simulator.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from coordinator.contracts.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
     ctx = zmq.Context()
     socks, endpoints = [], []

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.config import PrefixIndexSettings
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler

@@ -25,9 +25,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-MESSAGES_CHAT_PATH = "/v1/messages/chat"
-COUNT_TOKENS_CHAT_PATH = "/v1/messages/count_tokens/chat"
-
 
 def bad_request(message: str, param: str | None = None) -> JSONResponse:
     """A 400 in vLLM's error shape."""

@@ -8,8 +8,8 @@ it adds the hashes to its answer and the coordinator only reads them.
 Opt-in per call: the coordinator sends ``x-prefix-hash: <block_size> <model>`` (the model name seeds
 the chain, see ``hashing.chain_seed``) and gets each ``GenerateRequest`` of the answer with a
 ``block_hashes`` list, and the header echoed back, so a sidecar without this route (vLLM's own) is
-recognised and the coordinator hashes itself. The hash function is the coordinator's own module,
-shipped into the render images beside this one.
+recognised and the coordinator hashes itself. The hash function and the header are the shared
+contract (``coordinator.contracts``), shipped into the render images beside this module.
 """
 
 from __future__ import annotations
@@ -19,23 +19,16 @@ from typing import Any
 
 import msgspec
 
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.contracts.sidecar import PREFIX_HASH_HEADER, parse_prefix_hash_spec
 
-HEADER = b"x-prefix-hash"
+HEADER = PREFIX_HASH_HEADER.encode()
 RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
 
 Message = MutableMapping[str, Any]
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-
-
-def parse_spec(value: bytes) -> tuple[int, str] | None:
-    """``b"16 my-model"`` → (16, "my-model"); None for anything else."""
-    size, _, model = value.decode("latin-1").partition(" ")
-    if not size.isdigit() or not 0 < int(size) <= 65536 or not model:
-        return None
-    return int(size), model
 
 
 def add_hashes(body: bytes, block_size: int, model: str) -> bytes:
@@ -58,7 +51,7 @@ class HashingRenderRoute:
 
     async def __call__(self, scope: Message, receive: Any, send: Any) -> None:
         raw = dict(scope.get("headers") or ()).get(HEADER)
-        spec = parse_spec(raw) if raw is not None else None
+        spec = parse_prefix_hash_spec(raw) if raw is not None else None
         if spec is None:
             await self.app(scope, receive, send)
             return

@@ -38,8 +38,6 @@ from starlette.responses import JSONResponse
 
 from render_sidecar.messages import bad_request, parse
 
-RESPONSES_CHAT_PATH = "/v1/responses/chat"
-
 # Tool types the model is shown as functions (vLLM's ``get_function_tools``); the rest are built-in
 # tools vLLM runs on a tool server, with a stored conversation.
 FUNCTION_TOOL_TYPES = frozenset({"function", "custom", "namespace"})

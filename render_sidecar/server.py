@@ -40,17 +40,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from render_sidecar.messages import (
+from coordinator.contracts.sidecar import (
+    CAPABILITIES_PATH,
     COUNT_TOKENS_CHAT_PATH,
     MESSAGES_CHAT_PATH,
-    count_tokens_chat,
-    messages_chat,
+    RESPONSES_CHAT_PATH,
+    Capabilities,
 )
+from render_sidecar.messages import count_tokens_chat, messages_chat
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
-from render_sidecar.responses import RESPONSES_CHAT_PATH, responses_chat
+from render_sidecar.responses import responses_chat
 from render_sidecar.sessions import SessionCache
 
-CAPABILITIES_PATH = "/derender/capabilities"
 DERENDER_CHAT_PATH = "/v1/chat/completions/derender"
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
@@ -165,7 +166,7 @@ class CachedDerenderRoute:
         await send({"type": "http.response.body", "body": body})
 
 
-def capabilities(state: Any, cache: SessionCache | None) -> dict[str, Any]:
+def capabilities(state: Any, cache: SessionCache | None) -> Capabilities:
     """What a coordinator must mirror: the parsers this sidecar derenders with, and the cache."""
     args = state.args
     config = getattr(state, "vllm_config", None)

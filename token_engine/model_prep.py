@@ -435,14 +435,14 @@ def write_obfuscated_copy(
 ) -> Path:
     """Write ``dest``: ``source`` with its vocabulary permuted by the key in ``key_file``.
 
-    The permutation is ``coordinator.pipeline.obfuscation.KeyedPermutation`` over ``config.json``'s
+    The permutation is ``coordinator.contracts.permutation.KeyedPermutation`` over ``config.json``'s
     ``vocab_size``, the same one the coordinator builds from the same key file. Embedding and LM-head
     rows are permuted (a tied head follows the embedding), every token id in ``config.json`` and
     ``generation_config.json`` (BOS, EOS, pad, ...) is mapped, tokenizer files are left out, the rest is
     copied. Built in a sibling folder and renamed into place; skipped when ``dest`` already holds the
     copy for this key and this source.
     """
-    from coordinator.pipeline.obfuscation import KeyedPermutation, config_vocab_size
+    from coordinator.contracts.permutation import KeyedPermutation, config_vocab_size
 
     source, dest = Path(source).resolve(), Path(dest).resolve()
     vocab_size = config_vocab_size(source)

@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from coordinator.contracts.sidecar import PREFIX_HASH_HEADER, prefix_hash_spec
 from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline import native_api
@@ -64,7 +65,6 @@ from coordinator.pipeline.token_ids import check_rendered
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI and vLLM default for /v1/completions
-PREFIX_HASH_HEADER = "x-prefix-hash"  # render_sidecar/prefix_hashes.py
 # Client sampling fields the plan keeps when render is unavailable (what _plan reads besides max_tokens).
 _LOCAL_SAMPLING_FIELDS = ("n", "stop", "include_stop_str_in_output", "min_tokens")
 
@@ -180,7 +180,7 @@ class RenderStage:
             body = {**body, **{f: 1 for f in ("max_completion_tokens", "max_tokens") if body.get(f)}}
         headers = None
         if self._hash_block is not None and ctx.model.isascii():  # the model name seeds the chain
-            headers = {PREFIX_HASH_HEADER: f"{self._hash_block} {ctx.model}"}
+            headers = {PREFIX_HASH_HEADER: prefix_hash_spec(self._hash_block, ctx.model)}
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="render", headers=headers)
         rendered = [out] if isinstance(out, dict) else out
         if not isinstance(rendered, list) or not rendered or not all(

@@ -48,8 +48,8 @@ USER root
 COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
      render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py \
      render_sidecar/responses.py /opt/llmc/render_sidecar/
-# The coordinator's block hash, so both hash alike (a namespace package: no __init__ needed)
-COPY coordinator/pipeline/scheduling/prefix/hashing.py /opt/llmc/coordinator/pipeline/scheduling/prefix/
+# The contracts the sidecar shares with the coordinator (block hash, routes), the only coordinator code it runs
+COPY coordinator/contracts /opt/llmc/coordinator/contracts
 ENV PYTHONPATH=/opt/llmc
 USER 10001:10001
 EXPOSE 8100

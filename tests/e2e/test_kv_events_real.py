@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventSubscriber, PreciseIndexSource
 from tests.conftest import SERVED, VllmStack

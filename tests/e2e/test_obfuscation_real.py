@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from coordinator.config import ModelSettings
+from coordinator.contracts.permutation import KeyedPermutation
 from coordinator.pipeline.engines.client import EngineClient
-from coordinator.pipeline.obfuscation import KeyedPermutation, request_to_physical
+from coordinator.pipeline.obfuscation import request_to_physical
 from tests.conftest import MAX_MODEL_LEN, SERVED, VllmStack, _echo, make_settings
 from tests.support import CoordinatorServer, free_port, sse_events, streamed_text
 
@@ -37,7 +38,7 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def perm(key_file: Path, model_dir: Path) -> KeyedPermutation:
-    from coordinator.pipeline.obfuscation import config_vocab_size
+    from coordinator.contracts.permutation import config_vocab_size
 
     size = config_vocab_size(model_dir)
     assert size is not None

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from coordinator.config import EngineSettings, ModelSettings
-from coordinator.pipeline.obfuscation import KeyedPermutation
+from coordinator.contracts.permutation import KeyedPermutation
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.support import CoordinatorServer, sse_events, streamed_text
 from token_engine.simulator import SimConfig, SimulatedEngine

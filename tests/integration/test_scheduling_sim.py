@@ -323,7 +323,7 @@ def test_affinity_keeps_a_conversation_on_its_engine(render_sidecar: Any,
 def test_render_sidecar_hashes_prompts_exactly_as_the_coordinator_does(render_sidecar: Any) -> None:
     """Our sidecar adds each rendered prompt's block hashes when asked, equal to the coordinator's own
     (salt included, every prompt of a batch), and answers vLLM's body untouched when not asked."""
-    from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+    from coordinator.contracts.hashing import block_hashes, chain_seed
 
     ask = {"x-prefix-hash": f"16 {SERVED}"}
     body = convo("hash", 2)

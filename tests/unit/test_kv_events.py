@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import (
     KvEventMirror,

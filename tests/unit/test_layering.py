@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom first. A module's layer is the one of the longest prefix that names it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("contracts", ("coordinator.contracts",)),
     ("config", ("coordinator.config",)),
     ("observability", ("coordinator.observability",)),
     ("vocabulary", ("coordinator.pipeline.errors", "coordinator.pipeline.context",
@@ -65,9 +66,12 @@ def test_pipeline_is_http_framework_free() -> None:
     assert not {m for m in mods if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
 
 
-def test_simulator_imports_nothing_from_the_coordinator() -> None:
+def test_simulator_loads_nothing_of_the_coordinator_but_its_contracts() -> None:
+    """The simulator stands in for vLLM: it must not lean on the code it tests, nor on vLLM."""
     mods = imported_after("import token_engine.simulator, token_engine.simulator.app")
-    assert not {m for m in mods if m == "coordinator" or m.startswith(("coordinator.", "vllm"))}
+    assert "coordinator.contracts.kv_events" in mods  # it publishes the contract's structs
+    assert not {m for m in mods if m.startswith("vllm")
+                or (m.startswith("coordinator.") and not m.startswith("coordinator.contracts"))}
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -141,18 +145,26 @@ def test_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("package", ["render_sidecar", "token_engine"])
-def test_deployables_import_only_the_coordinators_shared_modules(package: str) -> None:
-    """The render sidecar and the token engine ship in their own images: what they take from the
-    coordinator's tree must stay the leaf modules that hold the wire's shared rules (prefix hashing,
-    the keyed permutation), which import nothing else of the coordinator."""
-    shared = {"coordinator.pipeline.scheduling.prefix.hashing", "coordinator.pipeline.obfuscation"}
+def test_deployables_import_only_the_contracts(package: str) -> None:
+    """The render sidecar and the token engine ship in their own images: from the coordinator's tree
+    they take only ``coordinator.contracts`` (the rules both sides of a wire share), which the render
+    image copies alone."""
     used = {n for p in _modules(package).values() for n in _imports(p) if n.split(".")[0] == "coordinator"}
-    used = {n for n in used if n in _modules("coordinator")}
-    assert used <= shared, f"{package} imports {sorted(used - shared)} from the coordinator"
-    coordinator = _modules("coordinator")
-    for module in used:
-        deps = {n for n in _imports(coordinator[module]) if n.split(".")[0] == "coordinator"}
-        assert not deps, f"{module} is shared with {package} but imports {sorted(deps)}"
+    assert used, f"{package} shares no contract: the check below would hold for nothing"
+    outside = sorted(n for n in used if n != "coordinator.contracts" and not n.startswith("coordinator.contracts."))
+    assert not outside, f"{package} imports {outside} from the coordinator"
+
+
+def test_contracts_import_nothing_else_of_the_coordinator() -> None:
+    """The bottom of the house: standard library and msgspec only, so any image can carry it."""
+    for name, path in _modules("coordinator").items():
+        if name == "coordinator.contracts" or name.startswith("coordinator.contracts."):
+            roots = {n.split(".")[0] for n in _imports(path)}
+            deps = {n for n in _imports(path) if n.split(".")[0] == "coordinator"
+                    and not n.startswith("coordinator.contracts")}
+            assert not deps, f"{name} imports {sorted(deps)}"
+            third = roots - set(sys.stdlib_module_names) - {"coordinator", "msgspec", "__future__"}
+            assert not third, f"{name} needs {sorted(third)}"
 
 
 def test_scheduling_plugins_see_engines_only_through_their_view() -> None:

@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.config import EngineClientSettings, ModelSettings, Settings
+from coordinator.contracts.permutation import KeyedPermutation, ObfuscationError, Obfuscator
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.obfuscating import (
     ObfuscatingEngineClient,
@@ -23,9 +24,6 @@ from coordinator.pipeline.engines.obfuscating import (
 )
 from coordinator.pipeline.errors import BadRequest, UpstreamUnavailable
 from coordinator.pipeline.obfuscation import (
-    KeyedPermutation,
-    ObfuscationError,
-    Obfuscator,
     UnmappableField,
     chunk_to_semantic,
     request_to_physical,

@@ -7,7 +7,7 @@ import random
 import subprocess
 import sys
 
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed, next_hash
+from coordinator.contracts.hashing import block_hashes, chain_seed, next_hash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 SEED = chain_seed("m")
@@ -33,7 +33,7 @@ def test_model_and_salt_separate_hash_spaces() -> None:
 
 def test_hashes_agree_across_processes() -> None:
     """Replicas and restarts must compute the same hashes (str hashing is randomised per process)."""
-    code = ("from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed;"
+    code = ("from coordinator.contracts.hashing import block_hashes, chain_seed;"
             "print(block_hashes(list(range(64)), 16, chain_seed('m', 's')))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}

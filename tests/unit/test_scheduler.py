@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from coordinator.config import EngineSettings, SchedulingSettings, Settings, TopologySettings
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
 from coordinator.pipeline.scheduling.request import SchedRequest

@@ -16,9 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from token_engine.simulator import SimConfig, build_app
-from token_engine.simulator.__main__ import parse_args
-from token_engine.simulator.kv_events import (
+from coordinator.contracts.kv_events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -27,6 +25,8 @@ from token_engine.simulator.kv_events import (
     external_hash,
     is_bind_endpoint,
 )
+from token_engine.simulator import SimConfig, build_app
+from token_engine.simulator.__main__ import parse_args
 from token_engine.simulator.prefix_cache import PrefixCache, block_hashes
 
 GEN = "/inference/v1/generate"
@@ -280,7 +280,7 @@ def test_cli_takes_vllms_kv_events_config() -> None:
 
 
 def test_structs_encode_byte_for_byte_like_vllms(vllm_kv: Any) -> None:
-    from token_engine.simulator import kv_events as sim_kv
+    from coordinator.contracts import kv_events as sim_kv
 
     enc = msgspec.msgpack.Encoder()
     stored = dict(block_hashes=[1, b"x" * 32], parent_block_hash=7, token_ids=[1, 2], block_size=2,

@@ -2,8 +2,8 @@
 
 Why: KV-aware routers learn what each engine has cached from `--kv-events-config` events rather than by
 guessing; the simulator publishes the same messages so such a router can be built and tested without
-vLLM. The structs below copy `vllm/distributed/kv_events.py` field for field (names, order, defaults,
-`tag=True` / `array_like=True` / `omit_defaults=True`), so vLLM's own
+vLLM. The structs are the wire contract the coordinator reads too (`coordinator.contracts.kv_events`,
+copied from `vllm/distributed/kv_events.py` field for field), so vLLM's own
 `msgspec.msgpack.Decoder(type=KVEventBatch)` decodes them. This module never imports vLLM.
 
 Wire: every batch is a multipart message `[topic, seq, payload]`: `topic` is the UTF-8 topic, `seq` an
@@ -22,75 +22,13 @@ import threading
 import time
 from collections import deque
 from itertools import count
-from typing import Any, TypeAlias
 
 import msgspec
 import zmq
 
+from coordinator.contracts.kv_events import END_SEQ, EventBatch, KVEvent, KVEventBatch, is_bind_endpoint
+
 logger = logging.getLogger(__name__)
-
-ExternalBlockHash: TypeAlias = bytes | int
-"""vLLM publishes sha256 bytes, or (the default, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) their low 64
-bits as an int."""
-
-MEDIUM_GPU = "GPU"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged events: each encodes as a map whose `"type"` is the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(EventBatch):
-    events: list[KVEvent]
-
-
-def external_hash(block_hash: bytes, as_int: bool) -> ExternalBlockHash:
-    """vLLM's `maybe_convert_block_hash`: the raw hash, or its low 64 bits as an int."""
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1) if as_int else block_hash
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:

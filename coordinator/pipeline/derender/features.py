@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from coordinator.contracts.sidecar import CAPABILITIES_PATH, Capabilities
 from coordinator.pipeline.sidecar import Sidecar, SidecarClient
 
 log = logging.getLogger(__name__)
 
-CAPABILITIES_PATH = "/derender/capabilities"
 PROBE_BODY: dict[str, Any] = {
     "stream": True,
     "generate_chunk": {"request_id": "coordinator-parser-probe", "choices": []},
@@ -52,7 +52,7 @@ class SidecarFeatures:
     session_cache: bool = False    # the sidecar keeps parser sessions (prompt ids only on a miss)
 
     @classmethod
-    def from_capabilities(cls, body: dict[str, Any]) -> SidecarFeatures:
+    def from_capabilities(cls, body: Capabilities) -> SidecarFeatures:
         return cls(parsers=bool(body.get("parsers")), tool_call_parser=body.get("tool_call_parser"),
                    reasoning_parser=body.get("reasoning_parser"),
                    session_cache=body.get("session_cache") is not None)
@@ -200,7 +200,7 @@ class FeatureBook:
             return None
         status, body = answer
         if status == 200 and isinstance(body, dict) and "parsers" in body:
-            return SidecarFeatures.from_capabilities(body)
+            return SidecarFeatures.from_capabilities(cast(Capabilities, body))
         probed = await self._client.call(sidecar, "POST", "/v1/chat/completions/derender", PROBE_BODY)
         if probed is None:
             return None

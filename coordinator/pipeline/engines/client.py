@@ -18,6 +18,7 @@ import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
+from coordinator.contracts.permutation import Obfuscator
 from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
 from coordinator.pipeline.engines.engine import Engine
@@ -29,7 +30,6 @@ from coordinator.pipeline.engines.http_errors import (
 )
 from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.http_lanes import Lanes, json_or_none, transport
-from coordinator.pipeline.obfuscation import Obfuscator
 
 log = logging.getLogger(__name__)
 # msgspec: one decode per engine chunk is the hot path (several times faster than json.loads).

@@ -18,16 +18,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.config import EngineClientSettings, Settings
+from coordinator.contracts.permutation import (
+    KeyedPermutation,
+    ObfuscationError,
+    Obfuscator,
+    config_vocab_size,
+)
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.errors import BadRequest, UpstreamUnavailable
 from coordinator.pipeline.obfuscation import (
-    KeyedPermutation,
-    ObfuscationError,
-    Obfuscator,
     UnmappableField,
     chunk_to_semantic,
-    config_vocab_size,
     request_to_physical,
     response_to_semantic,
 )

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.contracts.sidecar import COUNT_TOKENS_CHAT_PATH, MESSAGES_CHAT_PATH
 from coordinator.pipeline.chat_form import convert_on_sidecar, in_client_terms
 from coordinator.pipeline.errors import PipelineError, UpstreamUnavailable
 from coordinator.pipeline.sidecar import SidecarClient
-
-MESSAGES_CHAT_PATH = "/v1/messages/chat"
-COUNT_TOKENS_CHAT_PATH = "/v1/messages/count_tokens/chat"
 
 # Chat fields of the conversion → the Messages field the client wrote (error messages and params).
 MESSAGES_PARAMS = {

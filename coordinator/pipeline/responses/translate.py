@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.contracts.sidecar import RESPONSES_CHAT_PATH
 from coordinator.pipeline.chat_form import convert_on_sidecar, in_client_terms
 from coordinator.pipeline.errors import PipelineError, UpstreamUnavailable
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.sidecar import SidecarClient
-
-RESPONSES_CHAT_PATH = "/v1/responses/chat"
 
 # Chat fields of the conversion → the Responses field the client wrote (error messages and params).
 RESPONSES_PARAMS = {

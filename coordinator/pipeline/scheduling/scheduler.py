@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import EngineRole, PdProtocol, SchedulingSettings, TopologySettings
+from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
 from coordinator.pipeline.engines.engine import Engine
@@ -21,7 +22,6 @@ from coordinator.pipeline.scheduling.filters import Capable, HasRoom, NotTried, 
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer
 from coordinator.pipeline.scheduling.placement import handoff as pd
 from coordinator.pipeline.scheduling.placement import hybrid, union
-from coordinator.pipeline.scheduling.prefix.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat, takewhile
 from operator import eq, is_
 
-from coordinator.pipeline.scheduling.prefix.hashing import BlockHash
+from coordinator.contracts.hashing import BlockHash
 
 _SHARED_BYTES = sys.getsizeof(("engine-a", "engine-b"))
 _INT_BYTES = sys.getsizeof(2**62)

@@ -10,12 +10,10 @@ function and ``PYTHONHASHSEED``, and the coordinator must score a prompt without
 ``BlockStored`` carries its token ids, so we re-hash them with :mod:`.hashing` and keep a map
 engine hash → our hashes, which ``BlockRemoved`` (hashes only) needs.
 
-The wire types are our own msgspec Structs mirroring ``vllm.distributed.kv_events`` (checked
-against vLLM 0.32): the batch is ``array_like`` (``[ts, events, data_parallel_rank]``), each event a
-map tagged by its class name under ``"type"``. Unknown fields are ignored and unknown event types
-are skipped, so newer engines keep working. (``token_engine/simulator/kv_events.py`` holds the
-publishing side's copy: the coordinator ships without vLLM and without the test packages, and the
-simulator must not import the coordinator, so each mirrors vLLM on its own.)
+The wire types are the contract's (``coordinator.contracts.kv_events``, vLLM 0.32's structs, which
+the simulator publishes too): the batch is ``array_like`` (``[ts, events, data_parallel_rank]``),
+each event a map tagged by its class name under ``"type"``. Unknown fields are ignored and unknown
+event types are skipped, so newer engines keep working.
 """
 
 from __future__ import annotations
@@ -33,13 +31,17 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from coordinator.pipeline.scheduling.prefix.hashing import BlockHash, block_hashes, chain_seed
+from coordinator.contracts.hashing import BlockHash, block_hashes, chain_seed
+from coordinator.contracts.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEvent,
+)
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 log = logging.getLogger(__name__)
-
-ExternalBlockHash = bytes | int
-"""vLLM's block hash on the wire: sha256 bytes, or a 64-bit int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES."""
 
 PRIMARY_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
 """Media that mean "the engine's own KV cache". vLLM's ``BlockPool`` reports ``"GPU"`` for its primary
@@ -48,53 +50,29 @@ pool on every platform, the CPU build included (its KV lives in host memory but 
 reuse and whose events would otherwise mirror blocks that already left the primary cache."""
 
 
-# --- wire types (mirror vllm.distributed.kv_events without importing vLLM) --------------------------
+# --- decoding (the wire types are the shared contract's) ---------------------------------------------
 
-class EventBatch(msgspec.Struct, array_like=True, gc=False):
+class RawEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """``KVEventBatch`` with its events left undecoded, so one unknown event does not sink the batch."""
+
     ts: float
-    events: list[msgspec.Raw]  # decoded one by one so a single unknown event does not sink the batch
+    events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
-
-
-class BlockStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    # One entry per block: untagged (lora name, [mm_id, offset] pairs, cache_salt, embeds digest).
-    extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class _Tagged(msgspec.Struct):
     type: Any = None
 
 
-_batch_decoder = msgspec.msgpack.Decoder(EventBatch)
-_event_decoder = msgspec.msgpack.Decoder(KvEvent)
+_batch_decoder = msgspec.msgpack.Decoder(RawEventBatch)
+_event_decoder = msgspec.msgpack.Decoder(KVEvent)
 _tag_decoder = msgspec.msgpack.Decoder(_Tagged)
 
 
-def decode_batch(payload: bytes) -> tuple[EventBatch, list[KvEvent]]:
+def decode_batch(payload: bytes) -> tuple[RawEventBatch, list[KVEvent]]:
     """Raises ``msgspec.DecodeError``/``ValidationError`` for a bad batch; bad events are logged, dropped."""
     batch = _batch_decoder.decode(payload)
-    events: list[KvEvent] = []
+    events: list[KVEvent] = []
     for raw in batch.events:
         try:
             events.append(_event_decoder.decode(raw))
@@ -175,7 +153,7 @@ class KvEventMirror:
         self.apply(events)
         return True
 
-    def apply(self, events: Sequence[KvEvent]) -> None:
+    def apply(self, events: Sequence[KVEvent]) -> None:
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
                 self.stats.clears += 1
@@ -259,7 +237,7 @@ class KvEventMirror:
         return free
 
 
-def _cache_salt(keys: list[Any] | None, lora_name: str | None) -> str | None:
+def _cache_salt(keys: Sequence[Any] | None, lora_name: str | None) -> str | None:
     """vLLM publishes a block's extra keys untagged, in order: LoRA name, ``[mm_id, offset]`` pairs,
     cache_salt (first block only), embeds digest (bytes). So the salt is the one string that is not
     the LoRA name."""
@@ -269,7 +247,7 @@ def _cache_salt(keys: list[Any] | None, lora_name: str | None) -> str | None:
     return strings[0] if strings else None
 
 
-def _opaque(keys: list[Any] | None) -> bool:
+def _opaque(keys: Sequence[Any] | None) -> bool:
     """Multimodal (``[mm_id, offset]``) or prompt-embeds (bytes) keys: the engine's hash covers content
     that our token-only hash cannot see (every image has the same placeholder tokens), so indexing
     it would report matches that are not there."""

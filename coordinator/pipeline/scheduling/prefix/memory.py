@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
-from coordinator.pipeline.scheduling.prefix.hashing import BlockHash
+from coordinator.contracts.hashing import BlockHash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 
