@@ -29,11 +29,11 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.admission.fleet import Fleet, LocalFleet, RedisFleet
+from coordinator.pipeline.admission.front import FrontGate
 from coordinator.pipeline.admission.rate_limits import Buckets, LocalBuckets, RedisBuckets, TenantLimiter
 from coordinator.pipeline.admission.tenants import TenantDirectory
 from coordinator.pipeline.catalog import ModelCatalog
-from coordinator.pipeline.derender.client import Derenderer
-from coordinator.pipeline.derender.stream import Coalescing
+from coordinator.pipeline.derender import Coalescing, Derender, Derenderer
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.native import NativeClient
@@ -220,17 +220,15 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                            prefix_block_size=None if prefix.source == "none" else prefix.block_size,
                            native_route=native),
         dispatcher=Dispatcher(engines, attempts, settings.topology, board),
-        derenderer=derenderer,
+        derender=Derender(derenderer, settings.stream.queue_chunks,
+                          Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
+                                     settings.stream.buffer_tokens)),
         strict=settings.server.request_mode == "strict",
-        queue_chunks=settings.stream.queue_chunks,
-        coalescing=Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
-                              settings.stream.buffer_tokens),
-        early_refusal=admission.check_early,
-        limiter=limiter,
+        front=FrontGate(limiter, admission.check_early),
         observer=observer,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
-    metrics.stream_buffered_tokens.set_function(lambda: pipeline.buffered_tokens)
+    metrics.stream_buffered_tokens.set_function(lambda: pipeline.derender.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
@@ -273,9 +271,9 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers, models=c.pipeline.catalog.model_list,
                                              responses=ResponsesTranslator(c.sidecar)))
-    accounting = Accounting(c.pipeline, c.ledger, c.admission, c.engines, lambda: c.sidecar.sidecars,
-                            lambda: c.registry.engines, c.native.client if c.native is not None else None,
-                            trigger=c.trigger)
+    accounting = Accounting(c.pipeline, c.pipeline.derender, c.ledger, c.admission, c.engines,
+                            lambda: c.sidecar.sidecars, lambda: c.registry.engines,
+                            c.native.client if c.native is not None else None, trigger=c.trigger)
     accounting.export(c.metrics)
     app.state.accounting = accounting
     app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot))

@@ -3,6 +3,11 @@
 Loaded from a YAML file (``--config PATH`` or ``COORD_CONFIG``) with environment overrides
 (``COORD_<SECTION>__<FIELD>``, e.g. ``COORD_RENDER__URL``). Environment wins over YAML so a
 Kubernetes manifest can patch one value without templating the whole file.
+
+One file on purpose, though it is long: it is declarations only (each setting with its type, default,
+bounds and description, and the cross-field checks), the one place an operator or a reviewer reads
+every knob, and the source docs/configuration.md is generated from. Splitting the sections across
+modules would scatter the settings without separating any logic.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ WebSocket to it; unit tests use a queue), and a ``Runner`` is ``Pipeline.serve``
 
 All sends go through one lock: a client that stops reading slows the session's own reads too, so
 nothing here queues without bound (``docs/nnrp.md``, "Wire protocol v1").
+
+One job, one file, though a long one: the states, credits, cancels and the send lock above share
+one session's state, and each transition reads the others. What stands alone lives in the profile
+package (``nnrp/profile/``: frames, events, the mapping of chunks) and ``nnrp/responses.py``.
 """
 
 from __future__ import annotations

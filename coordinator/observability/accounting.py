@@ -18,6 +18,9 @@ from coordinator.observability.metrics import Metrics
 class _Pipeline(Protocol):
     @property
     def inflight(self) -> int: ...
+
+
+class _Streams(Protocol):
     @property
     def open_sessions(self) -> int: ...
     @property
@@ -70,6 +73,7 @@ class Accounting:
     """Reads the live counters of one coordinator (see ``snapshot``)."""
 
     pipeline: _Pipeline
+    streams: _Streams  # the derender stage's open stream sessions
     ledger: _Ledger
     admission: _Admission
     engine_client: _EngineClient
@@ -84,8 +88,8 @@ class Accounting:
             "inflight_requests": self.pipeline.inflight,
             "admission_tokens": self.ledger.global_inflight,
             "queued": self.admission.queue_length,
-            "open_stream_sessions": self.pipeline.open_sessions,
-            "producer_tasks": self.pipeline.producer_tasks,
+            "open_stream_sessions": self.streams.open_sessions,
+            "producer_tasks": self.streams.producer_tasks,
             "open_engine_streams": self.engine_client.open_streams,
             "open_native_streams": self.native_client.open_streams if self.native_client else 0,
             "pending_engine_aborts": self.engine_client.pending_aborts,

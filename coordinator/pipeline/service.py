@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,14 +20,11 @@ from typing import Any, TypeVar
 from coordinator.observability.events import event
 from coordinator.observability.record import Observer, Record, current
 from coordinator.pipeline import prompt_echo
-from coordinator.pipeline.admission.rate_limits import TenantLimiter
+from coordinator.pipeline.admission.front import FrontGate
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
-from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, PromptPlan, RequestContext
-from coordinator.pipeline.derender import batch
-from coordinator.pipeline.derender.client import Derenderer, request_view
-from coordinator.pipeline.derender.session import StreamSession
-from coordinator.pipeline.derender.stream import Coalescing, PromptStream
+from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
+from coordinator.pipeline.derender import Derender, StreamSession, request_view
 from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError, TokenRouteMissing, first_leaf
 from coordinator.pipeline.native_route import NativeStream
 from coordinator.pipeline.render import RenderStage
@@ -61,38 +57,16 @@ class Served:
 
 class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
-                 derenderer: Derenderer, strict: bool, queue_chunks: int,
-                 coalescing: Coalescing | None = None,
-                 early_refusal: Callable[[int, str], None] | None = None,
-                 limiter: TenantLimiter | None = None,
+                 derender: Derender, strict: bool, front: FrontGate | None = None,
                  observer: Observer | None = None) -> None:
         self.catalog = catalog
+        self.derender = derender  # its open sessions feed the gauges
         self.observer = observer  # where finished observation records go (doors start theirs here)
         self._render = render
         self._dispatch = dispatcher
-        self._derender = derenderer
         self._strict = strict
-        self._queue_chunks = queue_chunks
-        self._coalescing = coalescing or Coalescing()
-        self._early_refusal = early_refusal  # admission's "queue full" check, run before render
-        self._limiter = limiter  # tenants' requests and tokens per minute
+        self._front = front or FrontGate()  # tenants' rate limits, admission's early refusal
         self.inflight = 0  # client requests between begin() and their release
-        self._sessions: weakref.WeakSet[StreamSession] = weakref.WeakSet()
-
-    @property
-    def buffered_tokens(self) -> int:
-        """Engine tokens held by open streams, waiting for derender or for their client."""
-        return sum(s.buffered_tokens for s in list(self._sessions))
-
-    @property
-    def open_sessions(self) -> int:
-        """Streaming sessions not closed yet (each owns engine streams and producer tasks)."""
-        return sum(1 for s in list(self._sessions) if not s.closed)
-
-    @property
-    def producer_tasks(self) -> int:
-        """Producer tasks still running (each reads one engine stream for an open session)."""
-        return sum(s.running_tasks for s in list(self._sessions))
 
     # -- lifecycle -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -177,7 +151,7 @@ class Pipeline:
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
                              priority=_priority(body, priority), tenant=tenant.name)
-        limiter = await self._front(ctx, record, tenant, admit)
+        await self._enter(ctx, record, tenant, admit)
         started = time.perf_counter()
         await self._render(ctx, entry)
         ctx.record.render_ms = render_ms = round((time.perf_counter() - started) * 1000, 2)
@@ -187,7 +161,8 @@ class Pipeline:
         if admit and ctx.route == "tokens":  # the native route's engines compile their own grammars
             self._dispatch.check_capable(ctx)
         ctx.derender_request = request_view(ctx)
-        await self._charge_tokens(ctx, tenant, limiter)
+        if admit:
+            await self._front.after_render(ctx, tenant)
         return ctx
 
     async def begin_native(self, call: NativeCall, body: Any, request_id: str, priority: int | None,
@@ -202,10 +177,10 @@ class Pipeline:
         ctx = RequestContext(kind="chat", request_id=request_id, body=body, model=entry.name,
                              stream=body.get("stream") is True, include_usage=False, tenant=tenant.name,
                              priority=own if type(own) is int else priority or 0)
-        limiter = await self._front(ctx, record, tenant, admit=True)
+        await self._enter(ctx, record, tenant, admit=True)
         await self._render.native_api(ctx, entry, call)
         ctx.record.prompt_tokens = sum(p.prompt_tokens for p in ctx.prompts)
-        await self._charge_tokens(ctx, tenant, limiter)
+        await self._front.after_render(ctx, tenant)
         return ctx
 
     async def native_count_tokens(self, call: NativeCall, body: dict[str, Any], request_id: str) -> int:
@@ -217,27 +192,14 @@ class Pipeline:
             raise call.reason
         return await route.count_tokens(entry.name, {**body, "model": entry.name}, request_id, call.reason)
 
-    async def _front(self, ctx: RequestContext, record: Record | None, tenant: Tenant,
-                     admit: bool) -> TenantLimiter | None:
-        """What every request meets before its prompt is known: its record filled, the tenant's
-        requests per minute charged and admission's early "queue full" refusal. Returns the limiter
-        that charges its tokens after (None: no limits apply)."""
+    async def _enter(self, ctx: RequestContext, record: Record | None, tenant: Tenant, admit: bool) -> None:
+        """Before the prompt is known: the door's record filled, then the front gate (unless nothing
+        will be queued)."""
         if record is not None:
             ctx.record = record
             record.model, record.stream, record.tenant = ctx.model, ctx.stream, tenant.name
-        limiter = self._limiter if admit else None
-        if limiter is not None:
-            ctx.rate_headers = await limiter.requests(tenant)
-        if admit and self._early_refusal is not None:
-            self._early_refusal(ctx.priority, tenant.name)
-        return limiter
-
-    @staticmethod
-    async def _charge_tokens(ctx: RequestContext, tenant: Tenant, limiter: TenantLimiter | None) -> None:
-        """What OpenAI counts against tokens per minute: the prompt plus every token it may write."""
-        if limiter is not None:
-            cost = sum(p.prompt_tokens + p.max_tokens * p.n for p in ctx.prompts)
-            ctx.rate_headers.update(await limiter.tokens(tenant, cost))
+        if admit:
+            await self._front.before_render(ctx, tenant)
 
     # -- non-streaming -------------------------------------------------------------------------
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
@@ -247,8 +209,9 @@ class Pipeline:
             return await native.complete(ctx)
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels and awaits the siblings
-                tasks = [tg.create_task(self._collect(ctx, p) if p.stop.active
-                                        else self._dispatch.generate(ctx, p)) for p in ctx.prompts]
+                tasks = [tg.create_task(self.derender.collect(ctx, p, self._dispatch.stream(ctx, p))
+                                        if p.stop.active else self._dispatch.generate(ctx, p))
+                         for p in ctx.prompts]
         except BaseExceptionGroup as group:
             error = first_leaf(group)
             if isinstance(error, TokenRouteMissing) and native is not None and native.takes_over(ctx, error):
@@ -256,22 +219,9 @@ class Pipeline:
             raise error from None
         responses = [t.result() for t in tasks]
         ctx.record.engine_chunk()  # the engines' whole output is in
-        trimmed, blank = batch.trim(ctx, responses)
-        out = await self._derender.batch(ctx, trimmed)
-        batch.finish(ctx, out, responses, trimmed, blank)
-        await prompt_echo.complete(ctx, out, responses, self._dispatch, self._derender)
+        out = await self.derender.answer(ctx, responses)
+        await prompt_echo.complete(ctx, out, responses, self._dispatch, self.derender.client)
         return out
-
-    async def _collect(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
-        """Stream one prompt internally until done or stopped; return it as a GenerateResponse."""
-        ps = PromptStream(ctx, plan, self._derender, collect=True, coalescing=self._coalescing)
-
-        async def discard(_: dict[str, Any]) -> None:
-            return None
-
-        async with self._dispatch.stream(ctx, plan) as chunks:
-            await ps.run(chunks, discard)
-        return batch.collected(ctx, plan, ps)
 
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession | NativeStream:
@@ -279,11 +229,9 @@ class Pipeline:
         native = self._render.native_route
         if ctx.route == "native" and native is not None:  # render fallback (render.py)
             return await native.open_stream(ctx)
-        session = StreamSession(ctx, self._dispatch.stream, self._derender, self._queue_chunks,
-                                self._coalescing)
-        self._sessions.add(session)
+        session = self.derender.session(ctx, self._dispatch.stream)
         try:
-            await session.open(await prompt_echo.for_streams(ctx, self._dispatch, self._derender))
+            await session.open(await prompt_echo.for_streams(ctx, self._dispatch, self.derender.client))
         except TokenRouteMissing as exc:  # no engine serves token ids; nothing was sent yet
             await session.aclose()
             if native is None or not native.takes_over(ctx, exc):

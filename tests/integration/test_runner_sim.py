@@ -36,7 +36,7 @@ def test_serve_answers_streams_and_releases_outside_any_web_framework(render_sid
                 assert chunks[-1]["choices"][0]["finish_reason"] == "length"
                 await served.aclose()
                 await served.aclose()  # idempotent
-                assert p.inflight == 0 and p.open_sessions == 0
+                assert p.inflight == 0 and p.derender.open_sessions == 0
 
                 with pytest.raises(BadRequest):
                     await p.serve("chat", {"model": "gpt-4o-mini", "messages": []}, "runner-3")

@@ -35,7 +35,7 @@ def build() -> tuple[FastAPI, Counts, EngineRegistry, Metrics]:
     ledger = TokenLedger(None)
     admission = AdmissionController(AdmissionSettings(), ledger, metrics)
     live = Counts()
-    accounting = Accounting(live, ledger, admission, live, lambda: [live], lambda: registry.engines)
+    accounting = Accounting(live, live, ledger, admission, live, lambda: [live], lambda: registry.engines)
     accounting.export(metrics)
     app = FastAPI()
     app.include_router(build_admin_router(registry, admission, ApiKeyCheck([SecretStr("k")]),

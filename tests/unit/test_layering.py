@@ -199,3 +199,16 @@ def test_doors_reach_the_pipeline_only_through_its_faces() -> None:
                     if m.startswith(("coordinator.api", "coordinator.nnrp"))
                     for n in deps if n.startswith("coordinator.pipeline.") and not allowed(m, n))
     assert not beyond, "doors reaching past the pipeline's faces:\n" + "\n".join(beyond)
+
+
+def test_a_long_module_says_why_it_is_one_job() -> None:
+    """A module past 500 lines is usually two jobs; one that is not says so (and why) in its docstring,
+    so a reviewer can argue with the reason instead of guessing it."""
+    unexplained = []
+    for name, path in _modules("coordinator").items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 500:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "one job" not in doc.lower() and "one file on purpose" not in doc.lower():
+                unexplained.append(f"{name} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"long modules without a reason: {unexplained}"

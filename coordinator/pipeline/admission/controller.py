@@ -1,6 +1,11 @@
 """Admission: let a request through when its tokens fit, make it wait in priority order when they do
 not, and refuse it (429 / 503 with ``Retry-After``) when waiting is pointless.
 
+One job in one file, though a long one: the rules below share one queue, one set of budgets and one
+event-loop state without locks, and together keep a single invariant (who may take which tokens,
+when). The pieces that stand alone live beside it: the token ledger (``budget.py``), the tenants'
+shares (``shares.py``), rate limits (``rate_limits.py``), the fleet ledger (``fleet.py``).
+
 Why here and not only in the engines: vLLM admits whatever it is sent and then preempts under KV
 pressure, which wastes the work already done. Waiting in the coordinator costs nothing and lets a
 freed engine go to the most urgent request, whichever model or engine it needs.
