@@ -6,10 +6,13 @@ Every stage raises one of these; the front doors turn them into the OpenAI error
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +258,29 @@ class DerenderTimeout(ResponseStageError):
 
 class ClientGone(Exception):
     """The client left before its answer (or its stream) was ready; nothing is owed to it."""
+
+
+Gone = Callable[[], Awaitable[None]]  # completes when the client has left
+T = TypeVar("T")
+
+
+async def unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
+    """Run ``work`` but cancel it (releasing everything it holds) if the client leaves first."""
+    if gone is None:
+        return await work
+    main = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({main, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not main.done():
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await main
+            watch.cancel()
+            raise ClientGone()
+        watch.cancel()
+    return main.result()
 
 
 def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

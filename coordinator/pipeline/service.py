@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from coordinator.observability.events import event
 from coordinator.observability.record import Observer, Record, current
@@ -25,7 +25,15 @@ from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
 from coordinator.pipeline.derender import Derender, StreamSession, request_view
-from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError, TokenRouteMissing, first_leaf
+from coordinator.pipeline.errors import (
+    BadRequest,
+    ClientGone,
+    Gone,
+    PipelineError,
+    TokenRouteMissing,
+    first_leaf,
+    unless_gone,
+)
 from coordinator.pipeline.native_route import NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.structured import name_constraint
@@ -34,8 +42,6 @@ from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.validation import validate_request
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-Gone = Callable[[], Awaitable[None]]  # completes when the client has left
 OPERATIONS: dict[Kind, str] = {"chat": "chat.completions.create", "completion": "completions.create"}
 
 
@@ -105,14 +111,14 @@ class Pipeline:
             ctx = await (self.begin(kind, body, request_id, priority, record, tenant=tenant) if native is None
                          else self.begin_native(native, body, request_id, priority, record, tenant))
             if not ctx.stream:
-                response = await _unless_gone(gone, self.complete(ctx))
+                response = await unless_gone(gone, self.complete(ctx))
                 usage = response.get("usage") or {}
                 record.usage(usage.get("prompt_tokens"), usage.get("completion_tokens"))
                 record.route = ctx.route
                 await stack.aclose()
                 return Served(ctx, response=response)
             # Opening may wait in the admission queue: a client that leaves meanwhile gives up its place.
-            session = await _unless_gone(gone, self.open_stream(ctx))
+            session = await unless_gone(gone, self.open_stream(ctx))
             record.route = ctx.route
             stack.push_async_callback(session.aclose)
         except BaseException as exc:
@@ -129,8 +135,7 @@ class Pipeline:
         return Served(ctx, stream=session, _release=stack.aclose)
 
     async def prompt_tokens(self, kind: Kind, body: Any, request_id: str) -> int:
-        """The prompt's token count as render makes it (a token-counting route): validated and
-        rendered, never queued, nothing sent to an engine."""
+        """The prompt's token count as render makes it: validated, rendered, never queued or sent."""
         ctx = await self.begin(kind, body, request_id, admit=False)
         return sum(p.prompt_tokens for p in ctx.prompts)
 
@@ -150,7 +155,9 @@ class Pipeline:
         include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
-                             priority=_priority(body, priority), tenant=tenant.name)
+                             priority=priority or 0, tenant=tenant.name)
+        if body.get("priority") is not None:  # the body's own wins (validated as an integer)
+            ctx.priority = int(body["priority"])
         await self._enter(ctx, record, tenant, admit)
         started = time.perf_counter()
         await self._render(ctx, entry)
@@ -241,28 +248,3 @@ class Pipeline:
             await session.aclose()
             raise
         return session
-
-
-def _priority(body: dict[str, Any], door: int | None) -> int:
-    if body.get("priority") is not None:
-        return int(body["priority"])  # validated as an integer
-    return door if door is not None else 0
-
-
-async def _unless_gone(gone: Gone | None, work: Awaitable[T]) -> T:
-    """Run ``work`` but cancel it (releasing everything it holds) if the client leaves first."""
-    if gone is None:
-        return await work
-    main = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({main, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not main.done():
-            main.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await main
-            watch.cancel()
-            raise ClientGone()
-        watch.cancel()
-    return main.result()

@@ -212,3 +212,10 @@ def test_a_long_module_says_why_it_is_one_job() -> None:
             if "one job" not in doc.lower() and "one file on purpose" not in doc.lower():
                 unexplained.append(f"{name} ({text.count(chr(10))} lines)")
     assert not unexplained, f"long modules without a reason: {unexplained}"
+
+
+def test_the_runner_is_the_lifecycle_only() -> None:
+    """``service.py`` runs a request's life; what each stage does lives in the stage (derender's
+    fix-ups, the tenant gate, the race with a leaving client), so the runner stays readable whole."""
+    lines = (ROOT / "coordinator" / "pipeline" / "service.py").read_text(encoding="utf-8").count("\n")
+    assert lines <= 250, f"service.py has {lines} lines: move the stage work out to its stage"
