@@ -442,8 +442,26 @@ class ScorerSettings(_Section):
     weight: float = Field(default=1.0, ge=0, description="weight of this score in the sum")
 
 
+FilterName = Literal["queue_depth"]
+
+
+class FilterSettings(_Section):
+    """One filter the scheduler runs after its built-in ones (``capable``, ``not_tried``, ``has_room``,
+    which correctness needs and config cannot remove)."""
+
+    name: FilterName = Field(
+        description="queue_depth: skip engines whose /metrics report more than `max_waiting` waiting "
+        "requests")
+    max_waiting: int = Field(default=0, ge=0, description="queue_depth: the most waiting requests allowed")
+
+
 class SchedulingSettings(_Section):
     """Filters → scorers → picker. ``policy`` picks a preset; ``custom`` uses ``scorers``/``picker``."""
+
+    filters: list[FilterSettings] = Field(
+        default_factory=list, description="filters added after the built-in ones, in order "
+        "(`admission.max_waiting_per_engine` adds a queue_depth filter too)",
+    )
 
     policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = Field(
         default="affinity", description="affinity: prefix (weight 2) + load with the bounded_load picker; "

@@ -99,6 +99,28 @@ def test_custom_profile_uses_engine_telemetry() -> None:
     assert placement is not None and placement.engine.url == "http://e1:8000"
 
 
+def test_a_filter_named_in_config_keeps_long_queues_out_even_against_the_prefix() -> None:
+    """``scheduling.filters`` adds the queue_depth filter: the engine holding the whole prefix but
+    reporting 3 waiting requests is not picked; when every engine's queue is long, the request waits."""
+    sched, reg, index, _ = make(urls(2), learn=False, filters=[{"name": "queue_depth", "max_waiting": 1}])
+    assert [f.name for f in sched.profile.filters] == ["not_tried", "has_room", "queue_depth"]
+    index.add("http://e0:8000", block_hashes(PROMPT, 16, chain_seed(MODEL)))
+    reg.engines[0].telemetry.waiting = 3
+    reg.engines[1].telemetry.waiting = 1
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+    reg.engines[0].telemetry.waiting = 0
+    placement = sched.place(req(PROMPT))
+    assert placement is not None and placement.engine.url == "http://e0:8000"  # the prefix wins again
+    reg.engines[0].telemetry.waiting = reg.engines[1].telemetry.waiting = 2
+    assert sched.place(req(PROMPT)) is None
+
+
+def test_config_refuses_a_filter_it_does_not_know() -> None:
+    with pytest.raises(ValueError, match="queue_depth"):
+        SchedulingSettings(filters=[{"name": "lora_affinity"}])  # type: ignore[list-item]
+
+
 def test_full_engines_mean_wait_and_no_engine_means_503() -> None:
     sched, reg, _, _ = make(urls(2, max_inflight_tokens=400))
     for e in reg.engines:

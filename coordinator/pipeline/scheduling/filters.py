@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from coordinator.config import FilterSettings
 from coordinator.pipeline.scheduling.request import SchedRequest
-from coordinator.pipeline.scheduling.types import E, EngineView
+from coordinator.pipeline.scheduling.types import E, EngineView, Filter
 
 
 class NotTried:
@@ -54,3 +55,9 @@ class Capable:
         if not req.needs:
             return list(engines)
         return [e for e in engines if e.can_all(req.needs)]
+
+
+FILTERS: dict[str, Callable[[FilterSettings], Filter]] = {
+    "queue_depth": lambda s: QueueDepth(s.max_waiting),
+}
+"""The filters config may name (``scheduling.filters``), each built from its own settings."""
