@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from coordinator.api.server import configure_logging, uvicorn_config
-from coordinator.api.shutdown import draining_server
 from coordinator.app import build_app
 from coordinator.config import load_settings
+from coordinator.runtime.server import configure_logging, draining_server, uvicorn_config
 from coordinator.runtime.workers import Supervisor
 
 

@@ -10,10 +10,9 @@ import socket
 import threading
 import time
 
-from coordinator.api.server import uvicorn_config
-from coordinator.api.shutdown import draining_server
 from coordinator.app import Components, build_app
 from coordinator.config import Settings
+from coordinator.runtime.server import draining_server, uvicorn_config
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""The HTTP server: uvicorn, plus the one protection it lacks, a deadline for request headers.
+"""The HTTP listener's pieces: the one protection uvicorn lacks, a deadline for request headers, and a
+quiet server for second listeners (the runtime's ``runtime/server.py`` puts them together).
 
 uvicorn times out idle keep-alive connections, but not a client that opens a connection and sends
 nothing, or trickles its headers a byte at a time (slowloris): each byte cancels the keep-alive
@@ -13,16 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import Generator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from coordinator.config import Settings
-from coordinator.observability.events import JsonFormatter
 from coordinator.pipeline.errors import RequestTimeout
 
 _BODY = json.dumps(RequestTimeout("Request headers were not received in time").body(),
@@ -79,25 +76,6 @@ def header_timeout_protocol(timeout_s: float, base: type[asyncio.Protocol] = Aut
             self.transport.close()
 
     return HeaderDeadlineProtocol
-
-
-def uvicorn_config(app: FastAPI, settings: Settings, *, host: str, port: int,
-                   **options: Any) -> uvicorn.Config:
-    """The server configuration every entry point (CLI, embedded, tests) uses."""
-    return uvicorn.Config(app, host=host, port=port,
-                          http=header_timeout_protocol(settings.limits.header_timeout_s), **options)
-
-
-def configure_logging(settings: Settings, worker: int | None = None) -> None:
-    """Log level and format from ``server``; a worker process (``server.workers``) names itself in
-    text lines, so a pod's interleaved log still tells the workers apart."""
-    who = "" if worker is None else f"worker-{worker} "
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
-    if settings.server.log_format == "json":
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per derender call is too much
 
 
 class QuietServer(uvicorn.Server):

@@ -40,10 +40,9 @@ from types import FrameType
 from fastapi import FastAPI
 from prometheus_client import Gauge
 
-from coordinator.api.server import configure_logging, uvicorn_config
-from coordinator.api.shutdown import draining_server
 from coordinator.config import Settings
 from coordinator.runtime.pod import Pod, PrivateServer
+from coordinator.runtime.server import configure_logging, draining_server, uvicorn_config
 
 log = logging.getLogger(__name__)
 
