@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from coordinator.contracts.generate import GenerateRequest
 from coordinator.observability.record import Record
 from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
 
@@ -63,7 +64,7 @@ class PromptPlan:
     """One rendered prompt, i.e. one engine request (completions may carry several)."""
 
     index: int
-    generate: dict[str, Any]          # GenerateRequest JSON exactly as sent to the engine
+    generate: GenerateRequest         # the JSON exactly as sent to the engine (a typed view of a dict)
     prompt_token_ids: list[int]
     n: int
     stop: StopSpec

@@ -19,6 +19,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from coordinator.contracts.generate import GenerateResponse
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
 from coordinator.pipeline.derender.echo import (
@@ -45,13 +46,13 @@ async def _prompt_text(ctx: RequestContext, plan: PromptPlan, derender: Derender
     return await derender.prompt_text(ctx, plan)
 
 
-async def complete(ctx: RequestContext, out: dict[str, Any], responses: list[dict[str, Any]],
+async def complete(ctx: RequestContext, out: dict[str, Any], responses: list[GenerateResponse],
                    dispatch: Dispatcher, derender: Derenderer) -> None:
     """Write the prompt into a non-streaming answer (``responses``: the engines', one per prompt)."""
     if not wanted(ctx):
         return
 
-    async def one(plan: PromptPlan, resp: dict[str, Any]) -> PromptEcho:
+    async def one(plan: PromptPlan, resp: GenerateResponse) -> PromptEcho:
         k = engine_prompt_logprobs(plan)
         plp = resp.get("prompt_logprobs") if k is not None else None
         if k is not None and not isinstance(plp, list):  # the prompt streamed internally
@@ -72,8 +73,8 @@ async def for_streams(ctx: RequestContext, dispatch: Dispatcher,
     async def one(plan: PromptPlan) -> PromptEcho | None:
         sp = plan.generate["sampling_params"]
         k = engine_prompt_logprobs(plan)
-        for key in ("prompt_logprobs", "skip_reading_prefix_cache"):  # render sets the latter from the former
-            sp.pop(key, None)
+        sp.pop("prompt_logprobs", None)
+        sp.pop("skip_reading_prefix_cache", None)  # render sets it from prompt_logprobs
         if ctx.kind == "chat":
             text, prompt = chat_echo_text(ctx), await _prompt_text(ctx, plan, derender)
             return PromptEcho(text=text, prompt_text=prompt) if text or prompt is not None else None

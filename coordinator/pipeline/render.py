@@ -46,8 +46,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+from coordinator.contracts.generate import GenerateRequest, SamplingParams
 from coordinator.contracts.sidecar import PREFIX_HASH_HEADER, prefix_hash_spec
 from coordinator.observability import tracing
 from coordinator.observability.events import event
@@ -270,8 +271,8 @@ class RenderStage:
                         bool(sp.get("include_stop_str_in_output", False)), int(sp.get("min_tokens", 0)))
         if ctx.kind == "completion":
             widen_completion_logprobs(sp)  # cut back to native's count after the engine (fixups.py)
-        generate = gr  # a copy already (above)
-        generate["sampling_params"] = sp
+        generate = cast(GenerateRequest, gr)  # a copy already (above); the JSON render answered
+        generate["sampling_params"] = cast(SamplingParams, sp)
         # The engine's own queue order (``--scheduling-policy priority``), the same value admission
         # ordered by: the body's ``priority`` or the door's priority header.
         generate["priority"] = ctx.priority

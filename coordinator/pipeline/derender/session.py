@@ -17,6 +17,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.contracts.generate import StreamChunk
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender.client import Derenderer
@@ -25,7 +26,7 @@ from coordinator.pipeline.derender.shape import shape_usage_chunk
 from coordinator.pipeline.derender.stream import Coalescing, PromptStream
 
 log = logging.getLogger(__name__)
-Chunks = AsyncIterator[dict[str, Any]]
+Chunks = AsyncIterator[StreamChunk]
 OpenEngine = Callable[[RequestContext, PromptPlan], AbstractAsyncContextManager[Chunks]]
 
 
@@ -51,7 +52,7 @@ class StreamSession:
         self._queue: asyncio.Queue[dict[str, Any] | _Finished] = asyncio.Queue(maxsize=queue_chunks)
         self._coalescing = coalescing
         self._stack = contextlib.AsyncExitStack()
-        self._streams: list[tuple[PromptStream, AsyncIterator[dict[str, Any]]]] = []
+        self._streams: list[tuple[PromptStream, Chunks]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._end_reason: str | None = None  # None while the client still reads
@@ -97,7 +98,7 @@ class StreamSession:
         await self._queue.put(chunk)
         self.ctx.visible = True  # from now on no engine failure may restart the request as a whole
 
-    async def _produce(self, ps: PromptStream, chunks: AsyncIterator[dict[str, Any]]) -> None:
+    async def _produce(self, ps: PromptStream, chunks: Chunks) -> None:
         try:
             await ps.run(chunks, self._emit)
         except asyncio.CancelledError:

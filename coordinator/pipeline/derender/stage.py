@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, cast
 
+from coordinator.contracts.generate import GenerateResponse
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.derender import batch
 from coordinator.pipeline.derender.client import Derenderer
@@ -40,16 +41,18 @@ class Derender:
         """Producer tasks still running (each reads one engine stream for an open session)."""
         return sum(s.running_tasks for s in list(self._sessions))
 
-    async def answer(self, ctx: RequestContext, responses: list[dict[str, Any]]) -> dict[str, Any]:
+    async def answer(self, ctx: RequestContext, responses: list[GenerateResponse]) -> dict[str, Any]:
         """The JSON answer from every prompt's whole engine response: one derender call, with what
-        native does around its detokenizer applied before and after (``batch.py``)."""
-        trimmed, blank = batch.trim(ctx, responses)
+        native does around its detokenizer applied before and after (``batch.py``, which rewrites
+        the engine's answers as plain dicts: the typed view ends here)."""
+        plain = cast(list[dict[str, Any]], responses)
+        trimmed, blank = batch.trim(ctx, plain)
         out = await self.client.batch(ctx, trimmed)
-        batch.finish(ctx, out, responses, trimmed, blank)
+        batch.finish(ctx, out, plain, trimmed, blank)
         return out
 
     async def collect(self, ctx: RequestContext, plan: PromptPlan,
-                      stream: AbstractAsyncContextManager[Chunks]) -> dict[str, Any]:
+                      stream: AbstractAsyncContextManager[Chunks]) -> GenerateResponse:
         """Run one prompt's engine stream internally until done or stopped (stop strings need
         incremental text); the engine response it would have been."""
         ps = PromptStream(ctx, plan, self.client, collect=True, coalescing=self._coalescing)
@@ -59,7 +62,7 @@ class Derender:
 
         async with stream as chunks:
             await ps.run(chunks, discard)
-        return batch.collected(ctx, plan, ps)
+        return cast(GenerateResponse, batch.collected(ctx, plan, ps))
 
     def session(self, ctx: RequestContext, open_engine: OpenEngine) -> StreamSession:
         """A stream session over ``open_engine``'s streams, not opened yet (``StreamSession.open``)."""

@@ -40,8 +40,9 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
+from coordinator.contracts.generate import StreamChunk
 from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -125,7 +126,7 @@ class PromptStream:
         """Engine tokens read but not yet derendered (what a slow client makes the coordinator hold)."""
         return self._buffers.buffered_tokens if self._buffers is not None else 0
 
-    async def run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
+    async def run(self, chunks: AsyncIterator[StreamChunk], emit: Emit) -> None:
         """Consume engine chunks until every choice is finished (normally or by a stop string).
 
         Returning early (every choice done, one of them by a stop string) lets the caller close the
@@ -142,12 +143,12 @@ class PromptStream:
                     tracing.annotate(span, {"coordinator.derender.calls": self.derender_calls,
                                             "coordinator.derender.tokens": self.completion_tokens})
 
-    async def _run(self, chunks: AsyncIterator[dict[str, Any]], emit: Emit) -> None:
+    async def _run(self, chunks: AsyncIterator[StreamChunk], emit: Emit) -> None:
         if not self._coalescing.enabled:
             async for chunk in chunks:
-                choices = chunk.get("choices") or []
-                if choices:  # a choice-less chunk is the engine's usage: recomputed from our counts
-                    await self._step([(chunk, choices[0])], emit)
+                entry = _entry(chunk)
+                if entry is not None:  # a choice-less chunk is the engine's usage: recomputed from our counts
+                    await self._step([entry], emit)
                     if self.finished and any(c.stopped_early for c in self.choices.values()):
                         return
             return
@@ -169,12 +170,12 @@ class PromptStream:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
 
-    async def _read(self, chunks: AsyncIterator[dict[str, Any]], buffers: ChoiceBuffers) -> None:
+    async def _read(self, chunks: AsyncIterator[StreamChunk], buffers: ChoiceBuffers) -> None:
         try:
             async for chunk in chunks:
-                choices = chunk.get("choices") or []
-                if choices:
-                    await buffers.put(chunk, choices[0])
+                entry = _entry(chunk)
+                if entry is not None:
+                    await buffers.put(*entry)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the drains raise it once they have passed on what came before
@@ -310,6 +311,13 @@ class PromptStream:
 
 
 Entry = tuple[dict[str, Any], dict[str, Any]]  # (engine chunk, its one choice)
+
+
+def _entry(chunk: StreamChunk) -> Entry | None:
+    """The chunk and its one choice as the plain dicts derender rewrites into the client's shapes:
+    the typed view of the engine's wire ends here."""
+    choices = chunk.get("choices") or []
+    return (cast(dict[str, Any], chunk), cast(dict[str, Any], choices[0])) if choices else None
 
 
 class ChoiceBuffers:

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import msgspec
 from httpx_sse import EventSource
 
 from coordinator.config import EngineClientSettings
+from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
 from coordinator.contracts.permutation import Obfuscator
 from coordinator.observability import tracing
 from coordinator.observability.record import on_engine_abort
@@ -81,7 +82,7 @@ class EngineClient:
             await asyncio.gather(*self._aborts, return_exceptions=True)
         await self._lanes.aclose()
 
-    async def generate(self, engine: Engine, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def generate(self, engine: Engine, body: GenerateRequest, request_id: str) -> GenerateResponse:
         """Non-streaming generate; the whole output in one JSON body."""
         payload = {**body, "stream": False, "stream_options": None}
         timeout = httpx.Timeout(self.settings.total_timeout_s, connect=self.settings.connect_timeout_s)
@@ -98,11 +99,11 @@ class EngineClient:
         raise_for_token_route(engine, resp.status_code, data)
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
             raise UpstreamUnavailable(f"engine {engine.url} returned an unexpected body")
-        return data
+        return cast(GenerateResponse, data)
 
     @contextlib.asynccontextmanager
-    async def stream(self, engine: Engine, body: dict[str, Any], request_id: str,
-                     include_usage: bool) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    async def stream(self, engine: Engine, body: GenerateRequest, request_id: str,
+                     include_usage: bool) -> AsyncIterator[AsyncIterator[StreamChunk]]:
         """Open a generate stream; yields once headers are in (200), as an iterator of chunks.
 
         Leaving the context early closes the HTTP stream and aborts the engine request.
@@ -117,7 +118,7 @@ class EngineClient:
 
     @contextlib.asynccontextmanager
     async def _open(self, http: httpx.AsyncClient, engine: Engine, payload: dict[str, Any],
-                    request_id: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+                    request_id: str) -> AsyncIterator[AsyncIterator[StreamChunk]]:
         req = http.build_request("POST", f"{engine.url}/inference/v1/generate", json=payload,
                                  headers=call_headers(request_id, engine))
         try:
@@ -132,7 +133,7 @@ class EngineClient:
                 raise_for_token_route(engine, resp.status_code, json_or_none(resp.content))
                 raise UpstreamUnavailable(f"engine {engine.url} answered HTTP {resp.status_code}")
 
-            async def chunks() -> AsyncIterator[dict[str, Any]]:
+            async def chunks() -> AsyncIterator[StreamChunk]:
                 nonlocal finished
                 handed = False
                 try:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
 
 from coordinator.config import EngineClientSettings, Settings
+from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
 from coordinator.contracts.permutation import (
     KeyedPermutation,
     ObfuscationError,
@@ -75,27 +76,27 @@ class ObfuscatingEngineClient(EngineClient):
         self.obfuscator = obfuscator
         self._keys = obfuscator  # the same, typed as always set
 
-    async def generate(self, engine: Engine, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    async def generate(self, engine: Engine, body: GenerateRequest, request_id: str) -> GenerateResponse:
         resp = await super().generate(engine, self._physical(body), request_id)
-        return self._semantic(engine, resp, response_to_semantic)
+        return cast(GenerateResponse, self._semantic(engine, resp, response_to_semantic))
 
     @contextlib.asynccontextmanager
-    async def stream(self, engine: Engine, body: dict[str, Any], request_id: str,
-                     include_usage: bool) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    async def stream(self, engine: Engine, body: GenerateRequest, request_id: str,
+                     include_usage: bool) -> AsyncIterator[AsyncIterator[StreamChunk]]:
         async with super().stream(engine, self._physical(body), request_id, include_usage) as chunks:
             yield _SemanticChunks(self, engine, chunks)
 
-    def _physical(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _physical(self, body: GenerateRequest) -> GenerateRequest:
         """A request id outside the permuted vocabulary, or a field the engine would interpret with its
         own (unobfuscated) tokenizer, is the client's problem: a 400, never an unmapped send."""
         try:
-            return request_to_physical(body, self._keys)
+            return cast(GenerateRequest, request_to_physical(body, self._keys))
         except UnmappableField as exc:
             raise BadRequest(str(exc), param=exc.field) from None
         except ObfuscationError as exc:
             raise BadRequest(f"The request cannot be sent to an obfuscated engine: {exc}") from None
 
-    def _semantic(self, engine: Engine, data: dict[str, Any], convert: Any) -> dict[str, Any]:
+    def _semantic(self, engine: Engine, data: Mapping[str, Any], convert: Any) -> dict[str, Any]:
         """An engine answering with an id outside the vocabulary serves another model (or another
         key's copy): an engine failure, not something to pass on."""
         try:
@@ -111,7 +112,7 @@ class _SemanticChunks:
     leaving the stream early leaves no generator frame to finalize)."""
 
     def __init__(self, client: ObfuscatingEngineClient, engine: Engine,
-                 chunks: AsyncIterator[dict[str, Any]]) -> None:
+                 chunks: AsyncIterator[StreamChunk]) -> None:
         self._client = client
         self._engine = engine
         self._chunks = chunks
@@ -119,6 +120,6 @@ class _SemanticChunks:
     def __aiter__(self) -> _SemanticChunks:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> StreamChunk:
         chunk = await self._chunks.__anext__()
-        return self._client._semantic(self._engine, chunk, chunk_to_semantic)
+        return cast(StreamChunk, self._client._semantic(self._engine, chunk, chunk_to_semantic))

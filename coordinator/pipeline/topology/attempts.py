@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tenacity import (
     AsyncRetrying,
@@ -43,6 +43,7 @@ from tenacity import (
 )
 
 from coordinator.config import ResilienceSettings
+from coordinator.contracts.generate import GenerateRequest, StreamChunk
 from coordinator.observability import tracing
 from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
@@ -200,10 +201,10 @@ class Opener(Protocol):
     """A topology's side of a streaming attempt: what ``EngineStream`` asks of ``Dispatcher``."""
 
     def sched_request(self, ctx: RequestContext, plan: PromptPlan,
-                      generate: dict[str, Any]) -> SchedRequest: ...
+                      generate: GenerateRequest) -> SchedRequest: ...
 
-    async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
-                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
+    async def open_attempt(self, ctx: RequestContext, generate: GenerateRequest, req: SchedRequest
+                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[StreamChunk],
                                       Leg | None]: ...
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from coordinator.config import TopologySettings
+from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -40,7 +41,7 @@ class Dispatcher:
         self._trigger: Legs = TriggerLegs(client, attempts, topology, board)
 
     # -- public: what the pipeline calls ----------------------------------------------------------
-    async def generate(self, ctx: RequestContext, plan: PromptPlan) -> dict[str, Any]:
+    async def generate(self, ctx: RequestContext, plan: PromptPlan) -> GenerateResponse:
         """Non-streaming: nothing reaches the client before the whole answer, so any engine failure
         may be retried elsewhere."""
         req = self.sched_request(ctx, plan, plan.generate)
@@ -56,11 +57,12 @@ class Dispatcher:
         else, placed like any request (by prefix affinity, so the stream that follows reads the
         prompt's KV from the same engine's prefix cache)."""
         sp = plan.generate["sampling_params"]
-        scoring = {key: v for key, v in sp.items()
-                   if key not in ("structured_outputs", "logprobs", "skip_reading_prefix_cache")}
-        scoring.update(n=1, max_tokens=1, min_tokens=0, prompt_logprobs=alternatives)
-        generate = {**plan.generate, "request_id": f"{plan.generate['request_id']}-prompt",
-                    "sampling_params": scoring, "stream": False, "stream_options": None}
+        scoring = sp.copy()
+        for dropped in ("structured_outputs", "logprobs", "skip_reading_prefix_cache"):
+            cast(dict[str, Any], scoring).pop(dropped, None)
+        scoring.update({"n": 1, "max_tokens": 1, "min_tokens": 0, "prompt_logprobs": alternatives})
+        generate: GenerateRequest = {**plan.generate, "request_id": f"{plan.generate['request_id']}-prompt",
+                                     "sampling_params": scoring, "stream": False, "stream_options": None}
         score = PromptPlan(index=plan.index, generate=generate, prompt_token_ids=plan.prompt_token_ids, n=1,
                            stop=plan.stop, block_hashes=plan.block_hashes)
         out = await self.generate(ctx, score)
@@ -69,7 +71,7 @@ class Dispatcher:
 
     @contextlib.asynccontextmanager
     async def stream(self, ctx: RequestContext,
-                     plan: PromptPlan) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+                     plan: PromptPlan) -> AsyncIterator[AsyncIterator[StreamChunk]]:
         """Streaming: retries cover admission and opening the engine stream (every leg up to the
         decode engine's HTTP 200, or its first chunk for trigger); once chunks flow, an engine
         failure is relayed to another engine (``EngineStream``) or ends the response."""
@@ -81,7 +83,7 @@ class Dispatcher:
             await leg.aclose()
 
     # -- the Opener side (topology/attempts.py): what an EngineStream asks of the topology ---------
-    def sched_request(self, ctx: RequestContext, plan: PromptPlan, generate: dict[str, Any]) -> SchedRequest:
+    def sched_request(self, ctx: RequestContext, plan: PromptPlan, generate: GenerateRequest) -> SchedRequest:
         """What admission and the scheduler see of one attempt of ``generate`` (the plan's own
         request, or a relay's replay of it). With token obfuscation the prefix index sees the ids
         the engines see (physical ones)."""
@@ -118,8 +120,8 @@ class Dispatcher:
         raise BadRequest(f"'{field}' needs {what}, which no engine serving model {ctx.model!r} can "
                          "provide: its engines load no tokenizer (--tokens-only)", param=field)
 
-    async def open_attempt(self, ctx: RequestContext, generate: dict[str, Any], req: SchedRequest
-                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[dict[str, Any]],
+    async def open_attempt(self, ctx: RequestContext, generate: GenerateRequest, req: SchedRequest
+                           ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[StreamChunk],
                                       tracing.Leg | None]:
         """Admit, then let the placement's unit open the stream; on failure nothing stays held."""
         grant = await self._admit(req)
@@ -138,7 +140,7 @@ class Dispatcher:
             raise
 
     # -- one non-streaming attempt ------------------------------------------------------------------
-    async def _generate_once(self, generate: dict[str, Any], req: SchedRequest) -> dict[str, Any]:
+    async def _generate_once(self, generate: GenerateRequest, req: SchedRequest) -> GenerateResponse:
         grant = await self._admit(req)
         stack = contextlib.AsyncExitStack()
         try:

@@ -41,8 +41,9 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from coordinator.contracts.generate import GenerateRequest, StreamChunk
 from coordinator.observability.events import event
 from coordinator.pipeline.context import PromptPlan, RequestContext
 from coordinator.pipeline.engines.capabilities import has_grammar
@@ -70,7 +71,7 @@ class Attempt:
     number: int
     grant: Grant
     stack: contextlib.AsyncExitStack   # the open engine stream(s); closing aborts what is unfinished
-    chunks: AsyncIterator[dict[str, Any]]
+    chunks: AsyncIterator[StreamChunk]
     req: SchedRequest
     leg: Leg | None = None             # the attempt's span (tracing on), ended with its stream
 
@@ -84,18 +85,18 @@ def relayable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamUnavailable | UpstreamTimeout) and not isinstance(exc, UpstreamClientError)
 
 
-def replay_generate(plan: PromptPlan, ledger: list[int]) -> dict[str, Any]:
+def replay_generate(plan: PromptPlan, ledger: list[int]) -> GenerateRequest:
     """The GenerateRequest that continues ``plan`` after ``ledger`` was generated.
 
     Prompt = original prompt ids + ledger; ``max_tokens`` and ``min_tokens`` shrink by the ledger;
     ``prompt_logprobs`` is dropped (the client already has the original prompt's). Everything else,
     ``seed`` included, is kept: greedy output continues exactly; seeded sampling continues with a
     valid sample that is not the one an uninterrupted stream would have drawn."""
-    sp = dict(plan.generate["sampling_params"])
+    sp = plan.generate["sampling_params"].copy()
     done = len(ledger)
-    sp["max_tokens"] = int(sp["max_tokens"]) - done
+    sp["max_tokens"] = sp["max_tokens"] - done
     if sp.get("min_tokens"):
-        sp["min_tokens"] = max(0, int(sp["min_tokens"]) - done)
+        sp["min_tokens"] = max(0, sp["min_tokens"] - done)
     sp.pop("prompt_logprobs", None)
     return {**plan.generate, "token_ids": [*plan.prompt_token_ids, *ledger], "sampling_params": sp}
 
@@ -131,7 +132,7 @@ class EngineStream:
         """The first attempt (retried on other engines while it fails to open)."""
         self._current = await self._open(self._plan.generate, self._req)
 
-    async def _open(self, generate: dict[str, Any], req: SchedRequest) -> Attempt:
+    async def _open(self, generate: GenerateRequest, req: SchedRequest) -> Attempt:
         opened: Attempt | None = None
         async for attempt in self._a.retrying(req):
             with attempt:
@@ -141,7 +142,7 @@ class EngineStream:
         assert opened is not None
         return opened
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def chunks(self) -> AsyncIterator[StreamChunk]:
         """Engine chunks of every attempt, as one sequence; raises when the stream cannot go on."""
         first = True
         while True:
@@ -179,7 +180,7 @@ class EngineStream:
                     raise
                 self._current = await self._relay(attempt, exc)
 
-    def _regenerated(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def _regenerated(self, chunk: StreamChunk) -> StreamChunk | None:
         """A regeneration's chunk less the tokens the client already has (None: nothing left of it);
         raises ``RelayDiverged`` when they differ."""
         choices = chunk.get("choices") or []
@@ -197,14 +198,17 @@ class EngineStream:
         del self._expected[:k]
         if k == len(ids) and choice.get("finish_reason") is None:
             return None
-        rest = {**choice, "token_ids": ids[k:]}
+        rest = choice.copy()
+        rest["token_ids"] = ids[k:]
         lp = choice.get("logprobs")
-        if isinstance(lp, dict) and isinstance(lp.get("content"), list):
-            rest["logprobs"] = {**lp, "content": lp["content"][k:]}
-        out = {key: v for key, v in chunk.items() if key not in ("prompt_token_ids", "prompt_logprobs")}
-        return {**out, "choices": [rest]}
+        content = lp.get("content") if isinstance(lp, dict) else None
+        if lp is not None and isinstance(content, list):
+            rest["logprobs"] = {**lp, "content": content[k:]}
+        out = _without_prompt(chunk)
+        out["choices"] = [rest]
+        return out
 
-    def _hand_out(self, chunk: dict[str, Any]) -> None:
+    def _hand_out(self, chunk: StreamChunk) -> None:
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or ()
             self.handed_tokens += len(ids)
@@ -305,10 +309,18 @@ class EngineStream:
             await self._end(self._current, None)
 
 
-def _as_original(chunk: dict[str, Any], plan: PromptPlan, offset: int) -> dict[str, Any]:
+def _without_prompt(chunk: StreamChunk) -> StreamChunk:
+    """A copy without the (replay's) prompt ids and prompt logprobs."""
+    out = chunk.copy()
+    out.pop("prompt_token_ids", None)
+    cast(dict[str, Any], out).pop("prompt_logprobs", None)  # not a 0.32 stream field; dropped if sent
+    return out
+
+
+def _as_original(chunk: StreamChunk, plan: PromptPlan, offset: int) -> StreamChunk:
     """A replay chunk as the original request's: no replay prompt ids/logprobs, usage in the
     original's terms (prompt = original prompt, completion counts what came before the relay)."""
-    out = {k: v for k, v in chunk.items() if k not in ("prompt_token_ids", "prompt_logprobs")}
+    out = _without_prompt(chunk)
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         completion = int(usage.get("completion_tokens") or 0) + offset

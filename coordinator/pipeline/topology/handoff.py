@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from coordinator.config import TopologySettings
+from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.engines.client import EngineClient, engine_request_id
@@ -28,9 +29,9 @@ class HandoffLegs:
         self._attempts = attempts
         self._topology = topology
 
-    async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
+    async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: GenerateRequest,
                      req: SchedRequest, rid: str, include_usage: bool
-                     ) -> tuple[AsyncIterator[dict[str, Any]], tracing.Leg | None]:
+                     ) -> tuple[AsyncIterator[StreamChunk], tracing.Leg | None]:
         """Run the prefill leg if any, open the decode (or union) stream up to its first chunk."""
         params = await self._prefill_leg(grant, generate, req)
         engine = grant.placement.engine
@@ -41,15 +42,15 @@ class HandoffLegs:
             chunks = await first_chunk(chunks)
         return chunks, leg
 
-    async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
-                       req: SchedRequest, rid: str) -> dict[str, Any]:
+    async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: GenerateRequest,
+                       req: SchedRequest, rid: str) -> GenerateResponse:
         params = await self._prefill_leg(grant, generate, req)
         engine = grant.placement.engine
         with self._attempts.outcome(engine, req, phase(grant)), \
                 tracing.engine_leg(phase(grant), engine.url, engine_request_id(rid)):
             return await self._client.generate(engine, decode_body(generate, params), rid)
 
-    async def _prefill_leg(self, grant: Grant, generate: dict[str, Any],
+    async def _prefill_leg(self, grant: Grant, generate: GenerateRequest,
                            req: SchedRequest) -> dict[str, Any] | None:
         """Run the prefill leg if the placement has one; give its budget share back as soon as it ends.
 

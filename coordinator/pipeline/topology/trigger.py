@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from coordinator.config import TopologySettings
+from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.engines.client import EngineClient, engine_request_id
@@ -41,7 +42,7 @@ from coordinator.pipeline.topology.legs import prepend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RunPrefill = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+RunPrefill = Callable[[dict[str, Any]], Awaitable[GenerateResponse]]
 METASERVER_PATH = "/v1/metaserver"
 _ENDED_KEPT = 4096  # ended attempts remembered, so a late callback gets 409 (stale), not 404
 
@@ -78,12 +79,12 @@ class TriggerCall:
         self.called = False                  # a callback arrived (and was acted on)
         self.completed = False               # the prefill leg finished: repeats get {}
         self.delivered = False               # the decode engine streamed or answered: it has the KV
-        self._prefill: asyncio.Task[dict[str, Any]] | None = None
+        self._prefill: asyncio.Task[GenerateResponse] | None = None
         self._failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self._after_prefill: list[Callable[[], None]] = []
 
     # -- the callback side (the metaserver's request task) ----------------------------------------
-    async def callback(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def callback(self, body: dict[str, Any]) -> GenerateResponse:
         if body.get("request_id") != self.request_id:
             raise CallbackRefused(409, "the callback's request_id is not this attempt's")
         if self.completed:
@@ -186,7 +187,7 @@ class TriggerBoard:
             while len(self._ended) > _ENDED_KEPT:
                 self._ended.popitem(last=False)
 
-    async def callback(self, token: str | None, body: Any) -> dict[str, Any]:
+    async def callback(self, token: str | None, body: Any) -> GenerateResponse:
         """Act on one callback; raises ``CallbackRefused`` with the status to answer."""
         try:
             if not token:
@@ -227,15 +228,15 @@ class TriggerLegs:
         self._timeout_s = topology.trigger.callback_timeout_s
         self._board = board
 
-    async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
+    async def stream(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: GenerateRequest,
                      req: SchedRequest, rid: str, include_usage: bool
-                     ) -> tuple[AsyncIterator[dict[str, Any]], tracing.Leg | None]:
+                     ) -> tuple[AsyncIterator[StreamChunk], tracing.Leg | None]:
         """Open the decode stream and wait for its first chunk (the prefill leg runs meanwhile, from
         the callback); the prefill engine's share of the budget goes back once both are done."""
         board, call = self._register(stack, grant, generate, req, rid)
         engine = grant.placement.engine
         leg = tracing.stream_leg("decode", engine.url, engine_request_id(rid), ends_with=stack)
-        first: dict[str, Any] | None = None
+        first: StreamChunk | None = None
         with self._attempts.outcome(engine, req, "decode", ok="streaming"), tracing.opening(leg):
             chunks = await stack.enter_async_context(self._client.stream(
                 engine, trigger_decode_body(generate, board.url(call)), rid, include_usage=include_usage))
@@ -244,8 +245,8 @@ class TriggerLegs:
         call.after_prefill(lambda: _release_prefill(grant))
         return prepend(first, chunks), leg
 
-    async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
-                       req: SchedRequest, rid: str) -> dict[str, Any]:
+    async def generate(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: GenerateRequest,
+                       req: SchedRequest, rid: str) -> GenerateResponse:
         board, call = self._register(stack, grant, generate, req, rid)
         call.after_prefill(lambda: _release_prefill(grant))  # no first chunk to wait for
         engine = grant.placement.engine
@@ -254,7 +255,7 @@ class TriggerLegs:
             body = trigger_decode_body(generate, board.url(call))
             return await call.race(self._client.generate(engine, body, rid), self._timeout_s, engine.url)
 
-    def _register(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: dict[str, Any],
+    def _register(self, stack: contextlib.AsyncExitStack, grant: Grant, generate: GenerateRequest,
                   req: SchedRequest, rid: str) -> tuple[TriggerBoard, TriggerCall]:
         """The attempt's entry on the board (closed with ``stack``), before the decode request goes
         out: the callback may beat its HTTP 200."""
@@ -262,7 +263,7 @@ class TriggerLegs:
         if board is None:
             raise UpstreamUnavailable("trigger P/D engines need the metaserver (topology.trigger)")
 
-        async def run_prefill(callback: dict[str, Any]) -> dict[str, Any]:
+        async def run_prefill(callback: dict[str, Any]) -> GenerateResponse:
             try:
                 pre = self._attempts.add_prefill(grant, req)
             except NoHealthyEngine as exc:  # retryable: the next placement takes the hybrid fallback
@@ -285,21 +286,21 @@ def _release_prefill(grant: Grant) -> None:
         grant.release_engine(grant.placement.prefill)
 
 
-def trigger_decode_body(generate: dict[str, Any], metaserver_url: str) -> dict[str, Any]:
+def trigger_decode_body(generate: GenerateRequest, metaserver_url: str) -> GenerateRequest:
     """The decode leg: the whole request, told to wait for a remote prefill and where to call."""
     return {**generate, "kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": True,
                                                "metaserver": metaserver_url}}
 
 
-def trigger_prefill_body(generate: dict[str, Any], callback: dict[str, Any]) -> dict[str, Any]:
+def trigger_prefill_body(generate: GenerateRequest, callback: dict[str, Any]) -> GenerateRequest:
     """The prefill leg: one token (``max_tokens`` = ``min_tokens`` = 1, as upstream), not streamed,
     one choice, carrying the decode engine's callback parameters with the roles swapped."""
-    sp = dict(generate["sampling_params"])
+    sp = generate["sampling_params"].copy()
     sp["max_tokens"] = 1
     sp["min_tokens"] = 1
     sp["n"] = 1
-    for key in ("logprobs", "prompt_logprobs"):
-        sp.pop(key, None)
+    sp.pop("logprobs", None)
+    sp.pop("prompt_logprobs", None)
     params = {k: v for k, v in callback.items() if k != "metaserver"}
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
