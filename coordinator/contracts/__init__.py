@@ -8,3 +8,5 @@ library and msgspec), and ``render_sidecar`` and ``token_engine`` import nothing
 it, so the render image copies this folder alone (``deploy/docker/render.Dockerfile``). A layering
 test keeps both facts. It lives under ``coordinator/`` because the repository's top level is fixed.
 """
+
+__all__ = ["generate", "hashing", "kv_events", "permutation", "sidecar"]

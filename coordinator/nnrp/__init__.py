@@ -4,3 +4,5 @@ client library (``client``) and the conformance runner (``conformance``).
 
 Specification: ``docs/nnrp.md``.
 """
+
+__all__ = ["profile", "session"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.contracts.generate import GenerateResponse
 from coordinator.pipeline.context import PromptPlan, RequestContext
-from coordinator.pipeline.derender.client import Derenderer
+from coordinator.pipeline.derender import Derenderer
 from coordinator.pipeline.derender.echo import (
     PromptEcho,
     apply_batch,

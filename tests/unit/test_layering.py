@@ -201,6 +201,44 @@ def test_doors_reach_the_pipeline_only_through_its_faces() -> None:
     assert not beyond, "doors reaching past the pipeline's faces:\n" + "\n".join(beyond)
 
 
+COMPOSITION_ROOT = "coordinator.app"  # wires every concrete part, so it may reach any room
+
+
+def _face(package: str) -> set[str] | None:
+    """The names a package's ``__init__.py`` declares public (``__all__``), None when it declares none."""
+    path = ROOT / Path(*package.split(".")) / "__init__.py"
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def test_every_subpackage_declares_its_face() -> None:
+    packages = sorted({m for m, p in _modules("coordinator").items() if p.name == "__init__.py"} - {"coordinator"})
+    bare = [p for p in packages if _face(p) is None]
+    assert not bare, f"subpackages without __all__: {bare}"
+
+
+def test_other_packages_reach_a_package_only_through_its_face() -> None:
+    """A module outside a subpackage may import the package itself or a module its ``__all__`` names,
+    never one of its rooms; a new room stays private until the package says otherwise."""
+    modules = _modules("coordinator")
+    packages = {m for m, p in modules.items() if p.name == "__init__.py"} - {"coordinator"}
+    beyond = []
+    for importer, deps in _graph().items():
+        if importer == COMPOSITION_ROOT:
+            continue
+        for dep in deps:
+            for package in packages:
+                inside = dep.startswith(package + ".") and not importer.startswith(package + ".") \
+                    and importer != package
+                if inside and dep.count(".") == package.count(".") + 1:
+                    face = _face(package) or set()
+                    if dep.rsplit(".", 1)[1] not in face:
+                        beyond.append(f"{importer} -> {dep}")
+    assert not beyond, "imports past a package's face:\n" + "\n".join(sorted(beyond))
+
+
 def test_a_long_module_says_why_it_is_one_job() -> None:
     """A module past 500 lines is usually two jobs; one that is not says so (and why) in its docstring,
     so a reviewer can argue with the reason instead of guessing it."""

@@ -1,1 +1,3 @@
 """The NNRP front door's FastAPI binding (the session itself is ``coordinator.nnrp.session``)."""
+
+__all__ = ["routes"]
