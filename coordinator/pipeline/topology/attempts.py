@@ -22,8 +22,8 @@ engine is judged the same whichever route a request used, and a request is retri
   request ends.
 
 What a topology adds on top (which legs, in what order, with which bodies) is the ``Opener``
-side: ``Dispatcher`` implements it, and ``EngineStream`` only knows that Protocol, so neither
-imports the other.
+side: ``opening.AttemptOpener`` implements it, and ``EngineStream`` only knows that Protocol, so
+neither imports the other.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def _level(exc: BaseException) -> int:
 
 
 class Opener(Protocol):
-    """A topology's side of a streaming attempt: what ``EngineStream`` asks of ``Dispatcher``."""
+    """A topology's side of a streaming attempt: what ``EngineStream`` asks of ``opening.AttemptOpener``."""
 
     def sched_request(self, ctx: RequestContext, plan: PromptPlan,
                       generate: GenerateRequest) -> SchedRequest: ...
