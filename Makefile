@@ -98,7 +98,7 @@ relay-proof: venv model
 # The configuration reference is generated from the pydantic model; tests/unit/test_config_reference.py
 # fails when docs/configuration.md no longer matches it.
 config-doc: venv
-	$(PY) -m coordinator.config_reference --write docs/configuration.md
+	$(PY) -m deploy.config_reference --write docs/configuration.md
 
 # Kustomize overlays (union, P/D) rendered with kubectl's built-in kustomize and validated against the
 # Kubernetes schemas, plus the cross-checks between coordinator config and engine/sidecar manifests.

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-import coordinator.config_reference as ref
+import deploy.config_reference as ref
 from coordinator.config import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

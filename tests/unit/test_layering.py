@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("doors", ("coordinator.api",)),
     ("app", ("coordinator.app",)),
     ("runtime", ("coordinator.runtime", "coordinator.embedded", "coordinator.__main__")),
-    ("tools", ("coordinator.config_reference", "coordinator.nnrp.conformance")),
+    ("tools", ("coordinator.nnrp.conformance",)),
 ]
 
 

@@ -10,10 +10,10 @@ copied verbatim: its ``intro`` block at the top, every other block after the tab
 A key without a description is an error (exit status 2, the keys listed), so the page cannot regress
 to rows that say nothing.
 
-    python -m coordinator.config_reference                    # the page on stdout
-    python -m coordinator.config_reference --write docs/configuration.md
-    python -m coordinator.config_reference --check docs/configuration.md   # exit 1 when stale
-    python -m coordinator.config_reference --yaml             # every default, as a starting config
+    python -m deploy.config_reference                    # the page on stdout
+    python -m deploy.config_reference --write docs/configuration.md
+    python -m deploy.config_reference --check docs/configuration.md   # exit 1 when stale
+    python -m deploy.config_reference --yaml             # every default, as a starting config
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def render(root: type[BaseModel] = Settings, notes: dict[str, str] | None = None
                 out += [notes[sec.path or "top"], ""]
     out += [
         "## All defaults as YAML", "",
-        "Every key with its default value, generated from the model (`python -m coordinator.config_reference "
+        "Every key with its default value, generated from the model (`python -m deploy.config_reference "
         "--yaml` prints it). A config file needs only the keys it changes.", "",
         "```yaml", default_yaml(root).rstrip("\n"), "```", "",
     ]
@@ -394,7 +394,7 @@ def default_yaml(root: type[BaseModel] = Settings) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coordinator.config_reference", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m deploy.config_reference", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", metavar="PATH", help="write the page to PATH")
