@@ -226,6 +226,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         strict=settings.server.request_mode == "strict",
         front=FrontGate(limiter, admission.check_early),
         observer=observer,
+        native=native,
     )
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.derender.buffered_tokens)

@@ -34,7 +34,7 @@ from coordinator.pipeline.errors import (
     first_leaf,
     unless_gone,
 )
-from coordinator.pipeline.native_route import NativeStream
+from coordinator.pipeline.native_route import NativeRoute, NativeStream
 from coordinator.pipeline.render import RenderStage
 from coordinator.pipeline.structured import name_constraint
 from coordinator.pipeline.token_ids import check_client_ids
@@ -64,7 +64,7 @@ class Served:
 class Pipeline:
     def __init__(self, *, catalog: ModelCatalog, render: RenderStage, dispatcher: Dispatcher,
                  derender: Derender, strict: bool, front: FrontGate | None = None,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, native: NativeRoute | None = None) -> None:
         self.catalog = catalog
         self.derender = derender  # its open sessions feed the gauges
         self.observer = observer  # where finished observation records go (doors start theirs here)
@@ -72,6 +72,7 @@ class Pipeline:
         self._dispatch = dispatcher
         self._strict = strict
         self._front = front or FrontGate()  # tenants' rate limits, admission's early refusal
+        self._native = native  # the engines' own API: render's fallback, other APIs' native chain
         self.inflight = 0  # client requests between begin() and their release
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -193,11 +194,10 @@ class Pipeline:
     async def native_count_tokens(self, call: NativeCall, body: dict[str, Any], request_id: str) -> int:
         """``/v1/messages/count_tokens`` on the native chain: a native engine counts (exactly, with its
         own conversion and template); without one, the sidecar's error (``call.reason``)."""
-        entry = self.catalog.resolve(body.get("model"))
-        route = self._render.native_route
-        if route is None:
+        name = self.catalog.resolve(body.get("model")).name
+        if self._native is None:
             raise call.reason
-        return await route.count_tokens(entry.name, {**body, "model": entry.name}, request_id, call.reason)
+        return await self._native.count_tokens(name, {**body, "model": name}, request_id, call.reason)
 
     async def _enter(self, ctx: RequestContext, record: Record | None, tenant: Tenant, admit: bool) -> None:
         """Before the prompt is known: the door's record filled, then the front gate (unless nothing
@@ -211,7 +211,7 @@ class Pipeline:
     # -- non-streaming -------------------------------------------------------------------------
     async def complete(self, ctx: RequestContext) -> dict[str, Any]:
         """One JSON response. Stop strings need incremental text, so those prompts stream internally."""
-        native = self._render.native_route
+        native = self._native
         if ctx.route == "native" and native is not None:  # render fallback (render.py)
             return await native.complete(ctx)
         try:
@@ -233,7 +233,7 @@ class Pipeline:
     # -- streaming -----------------------------------------------------------------------------
     async def open_stream(self, ctx: RequestContext) -> StreamSession | NativeStream:
         """Open every engine stream before the first byte goes to the client."""
-        native = self._render.native_route
+        native = self._native
         if ctx.route == "native" and native is not None:  # render fallback (render.py)
             return await native.open_stream(ctx)
         session = self.derender.session(ctx, self._dispatch.stream)
