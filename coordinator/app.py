@@ -160,7 +160,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         engines=lambda: registry.engines)
     limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
-    profile = build_profile(settings.scheduling, ledger.engine_room, adm.max_waiting_per_engine)
+    profile = build_profile(settings.scheduling, ledger.engine_room)
     precise: PreciseIndexSource | None = None
     if prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,

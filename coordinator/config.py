@@ -706,6 +706,17 @@ class Settings(BaseSettings):
         return models
 
     @model_validator(mode="after")
+    def _queue_depth_filter(self) -> Settings:
+        """``admission.max_waiting_per_engine`` is the older spelling of a ``queue_depth`` filter: it
+        becomes one in ``scheduling.filters`` (unless one is configured there), so the scheduler builds
+        its filters from one list."""
+        limit = self.admission.max_waiting_per_engine
+        if limit is not None and not any(f.name == "queue_depth" for f in self.scheduling.filters):
+            self.scheduling.filters = [*self.scheduling.filters,
+                                       FilterSettings(name="queue_depth", max_waiting=limit)]
+        return self
+
+    @model_validator(mode="after")
     def _engines_known(self) -> Settings:
         names = {m.name for m in self.models}
         for e in self.engines:

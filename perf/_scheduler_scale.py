@@ -63,7 +63,7 @@ def bench_scheduler(n_engines: int, policy: str, index: PrefixIndex | None, http
     for e in registry.engines:   # static load so the load scorer has something to compare
         e.inflight_tokens = int(loads.uniform(0, 0.6) * e.token_budget)
         e.inflight_requests = max(1, e.inflight_tokens // 2500)
-    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room, None)
+    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room)
     return Scheduler(registry, profile, index=index, block_size=BLOCK,
                      learn=index is not None and pending is None, topology=settings.topology,
                      metrics=Metrics(), pending=pending, defer=lambda work: None)

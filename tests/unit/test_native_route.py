@@ -41,7 +41,7 @@ def route(cfg: Settings, handler: Handler, obfuscated: bool = False) -> tuple[Na
     registry = EngineRegistry(cfg, httpx.AsyncClient())
     ledger = TokenLedger(None)
     admission = AdmissionController(cfg.admission, ledger)
-    scheduler = Scheduler(registry, build_profile(cfg.scheduling, ledger.engine_room, None), index=None,
+    scheduler = Scheduler(registry, build_profile(cfg.scheduling, ledger.engine_room), index=None,
                           block_size=16, learn=False, topology=cfg.topology)
     client = NativeClient(cfg.engine_client, transport=httpx.MockTransport(handler))
     attempts = Attempts(registry, scheduler, admission, cfg.resilience)

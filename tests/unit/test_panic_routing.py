@@ -29,7 +29,7 @@ def make(*engines: EngineSettings, http: httpx.AsyncClient | None = None
     settings = Settings(engines=list(engines))
     metrics = Metrics()
     registry = EngineRegistry(settings, http or httpx.AsyncClient(), metrics)
-    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room, None)
+    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room)
     return Scheduler(registry, profile, index=None, block_size=16, learn=False, topology=settings.topology,
                      metrics=metrics), registry, metrics
 

@@ -30,7 +30,7 @@ def make(engines: list[dict[str, Any]], policy: str = "affinity", learn: bool = 
     registry = EngineRegistry(settings, httpx.AsyncClient(), metrics)
     ledger = TokenLedger(None)
     index = PrefixIndex()
-    profile = build_profile(settings.scheduling, ledger.engine_room, None)
+    profile = build_profile(settings.scheduling, ledger.engine_room)
     sched = Scheduler(registry, profile, index=index, block_size=16, learn=learn,
                       topology=settings.topology, metrics=metrics)
     return sched, registry, index, metrics
@@ -114,6 +114,18 @@ def test_a_filter_named_in_config_keeps_long_queues_out_even_against_the_prefix(
     assert placement is not None and placement.engine.url == "http://e0:8000"  # the prefix wins again
     reg.engines[0].telemetry.waiting = reg.engines[1].telemetry.waiting = 2
     assert sched.place(req(PROMPT)) is None
+
+
+def test_the_older_queue_limit_becomes_the_same_filter_in_the_one_list() -> None:
+    """``admission.max_waiting_per_engine`` builds a queue_depth filter like ``scheduling.filters``
+    does, and one configured there wins."""
+    older = Settings(admission={"max_waiting_per_engine": 2})  # type: ignore[arg-type]
+    assert [(f.name, f.max_waiting) for f in older.scheduling.filters] == [("queue_depth", 2)]
+    both = Settings(admission={"max_waiting_per_engine": 2},  # type: ignore[arg-type]
+                    scheduling={"filters": [{"name": "queue_depth", "max_waiting": 5}]})  # type: ignore[arg-type]
+    assert [(f.name, f.max_waiting) for f in both.scheduling.filters] == [("queue_depth", 5)]
+    profile = build_profile(older.scheduling, TokenLedger(None).engine_room)
+    assert [f.name for f in profile.filters] == ["not_tried", "has_room", "queue_depth"]
 
 
 def test_config_refuses_a_filter_it_does_not_know() -> None:
@@ -333,7 +345,7 @@ def test_precise_source_counts_prefills_in_flight_until_events_confirm_them() ->
                         scheduling=SchedulingSettings(policy="custom", picker="max_score"))
     registry = EngineRegistry(settings, httpx.AsyncClient())
     events_index, pending = PrefixIndex(), PrefixIndex(ttl_s=10, clock=lambda: now[0])
-    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room, None)
+    profile = build_profile(settings.scheduling, TokenLedger(None).engine_room)
     sched = Scheduler(registry, profile, index=events_index, block_size=16, learn=False,
                       topology=settings.topology, pending=pending)
     first = sched.place(req(PROMPT))

@@ -18,7 +18,7 @@ from coordinator.pipeline.engines.capabilities import NO_NEEDS, Capability
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import NoHealthyEngine
-from coordinator.pipeline.scheduling.filters import FILTERS, Capable, HasRoom, NotTried, QueueDepth
+from coordinator.pipeline.scheduling.filters import FILTERS, Capable, HasRoom, NotTried
 from coordinator.pipeline.scheduling.pickers import PICKERS, BoundedLoadPicker, Observer
 from coordinator.pipeline.scheduling.placement import handoff as pd
 from coordinator.pipeline.scheduling.placement import hybrid, union
@@ -55,8 +55,7 @@ class Profile:
     picker: Picker
 
 
-def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool],
-                  max_waiting: int | None) -> Profile:
+def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool]) -> Profile:
     named: list[tuple[str, float]]
     picker_name: str
     if settings.policy == "custom":
@@ -66,8 +65,6 @@ def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int]
         named, picker_name = PRESETS[settings.policy]
     filters: list[Filter] = [NotTried(), HasRoom(room)]
     filters += [FILTERS[f.name](f) for f in settings.filters]
-    if max_waiting is not None:  # admission.max_waiting_per_engine: the same filter, older spelling
-        filters.append(QueueDepth(max_waiting))
     scorers: list[tuple[Scorer, float]] = [(SCORERS[n](), w) for n, w in named if w > 0]
     picker: Picker
     if picker_name == "bounded_load":
