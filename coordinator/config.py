@@ -192,10 +192,12 @@ class EngineSettings(_Section):
         "model's (e.g. prefill and decode engines sized apart): requests are held to the shortest of "
         "the engines that may run them; null = the model's (render's /v1/models)",
     )
-    native_api: bool = Field(
-        default=False, description="the engine also serves the OpenAI API (`vllm serve "
+    native_api: bool | None = Field(
+        default=None, description="the engine also serves the OpenAI API (`vllm serve "
         "--enable-scale-out`): it may take requests through /v1/chat/completions and /v1/completions "
-        "when render is unavailable or the token-only route is missing (the native route)",
+        "when render is unavailable or the token-only route is missing (the native route); null = "
+        "learn it from the engine (a tokenizer loaded and the route served; "
+        "docs/engine-capabilities.md), false = never send it text",
     )
     api_key: SecretStr | None = Field(
         default=None, description="bearer token for an engine run with `--api-key` (its /inference and /v1 "
@@ -235,8 +237,9 @@ class DiscoverySettings(_Section):
         default=None, description="whether these engines load a tokenizer (see engines[].tokenizer); "
         "null = learn it from each engine"
     )
-    native_api: bool = Field(
-        default=False, description="these engines also serve their own OpenAI API (see engines[].native_api)"
+    native_api: bool | None = Field(
+        default=None, description="whether these engines also serve their own OpenAI API (see "
+        "engines[].native_api); null = learn it from each engine"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
@@ -729,10 +732,11 @@ class Settings(BaseSettings):
         coordinator starts (not while loading, so one variable at a time can still be set)."""
         if self.render.enable:
             return None
-        if not any(e.native_api and e.role == "union" for e in self.engines) and not any(
-                d.native_api and d.role == "union" and d.dns_name for d in self.discovery):
+        if not any(e.native_api is not False and e.role == "union" for e in self.engines) and not any(
+                d.native_api is not False and d.role == "union" and d.dns_name for d in self.discovery):
             return ("render.enable is false, so every request takes an engine's own OpenAI API: "
-                    "mark at least one union engine (or discovery entry) native_api: true")
+                    "at least one union engine (or discovery entry) must be allowed to serve it "
+                    "(native_api: true, or left unset to learn it)")
         if self.obfuscation.enabled:
             return "render.enable false sends text to the engines, which token obfuscation forbids"
         return None

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-coordinator", action="store_true", help="only render sidecar + engine")
     parser.add_argument("--engine-mode", choices=["scale-out", "tokens-only"], default="scale-out",
                         help="scale-out (default): tokenizer loaded, structured outputs and the native "
-                        "fallback; tokens-only: lighter, neither (set native_api: false in the config)")
+                        "fallback; tokens-only: lighter, neither (the coordinator learns which)")
     args = parser.parse_args(argv)
     try:
         model_dir = args.model_dir or ensure_model(args.cache_dir)

@@ -89,13 +89,13 @@ class NativeRoute:
             return NativeRouteRefused(f"{why}, and token obfuscation forbids the native OpenAI route")
         if not self._native_engines(model):
             return UpstreamUnavailable(f"{why}, and no engine serves the OpenAI API for model {model!r} "
-                                       f"(engines[].native_api)")
+                                       f"(learned from each engine, or engines[].native_api)")
         return None
 
     def available(self) -> bool:
         """Some healthy engine could serve a request through its OpenAI API now (readiness)."""
         return not self._obfuscated() and any(
-            e.native_api and e.role == "union" and e.healthy for e in self._registry.engines)
+            e.can(NATIVE_API) and e.role == "union" and e.healthy for e in self._registry.engines)
 
     def takes_over(self, ctx: RequestContext, error: PipelineError) -> bool:
         """After the token-only route failed with ``error`` (TokenRouteMissing): switch to this route
@@ -205,9 +205,10 @@ class NativeRoute:
         return req, body
 
     def _native_engines(self, model: str) -> list[Engine]:
-        """Union engines marked native_api for ``model`` whatever their state, healthy ones first."""
+        """Union engines serving their OpenAI API (configured or learned) for ``model`` whatever their
+        state, healthy ones first."""
         engines = [e for e in self._registry.engines
-                   if e.native_api and e.role == "union" and e.serves(model)]
+                   if e.can(NATIVE_API) and e.role == "union" and e.serves(model)]
         return sorted(engines, key=lambda e: not e.healthy)
 
 

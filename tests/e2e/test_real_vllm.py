@@ -161,6 +161,29 @@ def test_client_disconnect_aborts_engine_within_one_second(coord: CoordinatorSer
     assert coord.wait_idle() == 0
 
 
+def test_closing_a_generate_stream_aborts_it_in_vllm(vllm_stack: VllmStack) -> None:
+    """What the coordinator relies on for an engine without ``/inference/v1/abort_requests``: closing
+    the connection of a generate stream, with no abort call, ends the request inside vLLM."""
+    engine = vllm_stack.engine
+    rendered = httpx.post(f"{vllm_stack.render_url}/v1/chat/completions/render", timeout=60,
+                          json=chat("Count from one to one thousand.", max_tokens=1500, ignore_eos=True))
+    assert rendered.status_code == 200, rendered.text
+    body = {**rendered.json(), "stream": True}
+    mark = engine.process.line_count()
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{engine.url}/inference/v1/generate", json=body,
+            headers={"X-Request-Id": "close-only-1"}) as resp:
+        assert resp.status_code == 200
+        frames = 0
+        for line in resp.iter_lines():
+            frames += line.startswith("data: ")
+            if frames >= 3:
+                break
+    line = engine.process.wait_for_line(r"Request generate-tokens-close-only-1\S* aborted", timeout=5.0,
+                                        since=mark)
+    assert line is not None, f"closing the stream did not abort it:\n{engine.process.tail()}"
+
+
 BAD_INPUTS: list[tuple[str, Any, int, str | None]] = [
     ("not json", b"{nope", 400, None),
     ("not an object", [1, 2], 400, None),

@@ -126,11 +126,17 @@ def test_render_unreachable_from_start_answers_through_local_tokenizer_and_nativ
 def test_render_off_sends_every_request_down_the_native_chain(
         vllm_stack: VllmStack, normal: CoordinatorServer, model_dir: Path,
         coordinator_factory: CoordinatorFactory, caplog: pytest.LogCaptureFixture) -> None:
-    """No sidecar runs at the configured address, and none is asked: not a fallback but the route."""
+    """No sidecar runs at the configured address, and none is asked: not a fallback but the route.
+    Neither engine is marked: the coordinator learns that the ``--enable-scale-out`` one serves its
+    own API and the ``--tokens-only`` one does not (its ``/v1/chat/completions`` would fail), so every
+    request lands on the first."""
     caplog.set_level(logging.INFO, logger="coordinator")
     coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], render={"enable": False},
-                                engines=[EngineSettings(url=vllm_stack.native.url, native_api=True)],
+                                engines=[EngineSettings(url=vllm_stack.engine.url),
+                                         EngineSettings(url=vllm_stack.native.url)],
                                 models=models(model_dir))
+    tokens_only, scale_out = coord.components.registry.engines
+    assert (tokens_only.learned_native_api, scale_out.learned_native_api) == (False, True)
     for path, body, kind in EVERY_FORM:
         expected = text_of(ask(normal, path, body), kind)
         r = ask(coord, path, body)

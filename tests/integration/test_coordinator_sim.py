@@ -75,6 +75,33 @@ def test_nonstreaming_client_disconnect_aborts_engine_and_releases(coord: Coordi
     assert coord.wait_idle() == 0
 
 
+def test_an_engine_without_the_abort_route_is_aborted_by_closing_its_streams(
+        render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """An engine that serves generate but not ``/inference/v1/abort_requests`` (404): the first abort
+    teaches the coordinator, later disconnects send no call, and every request still ends on the engine
+    (the closed connection aborts it) with nothing held in the coordinator."""
+    with SimulatedEngine(SimConfig(model=SERVED, decode_s_per_token=0.002, abort_route=False)) as eng:
+        coord = coordinator_factory(render_sidecar.url, [eng.url])
+        (engine,) = coord.components.registry.engines
+        for n in (1, 2):
+            with httpx.Client(timeout=30) as c, c.stream("POST", f"{coord.url}/v1/chat/completions",
+                                                         json=chat(max_tokens=1000, stream=True)) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i > 4:
+                        break
+            assert wait_until(lambda n=n: eng.state()["running"] == [] and len(eng.state()["aborted"]) == n)
+            assert coord.wait_idle() == 0
+            assert wait_until(lambda: engine.abort_route is False)
+        eng.set_faults(delay_headers_s=0)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{coord.url}/v1/chat/completions", json=chat(max_tokens=1500), timeout=0.5)
+        assert wait_until(lambda: eng.state()["running"] == [] and len(eng.state()["aborted"]) == 3)
+        assert coord.wait_idle() == 0
+        metrics = httpx.get(f"{coord.url}/metrics").text
+        calls = [line for line in metrics.splitlines() if line.startswith("coordinator_engine_aborts_total")]
+        assert calls == ['coordinator_engine_aborts_total{result="refused"} 1.0'], calls
+
+
 @pytest.mark.parametrize(("fault", "status", "etype"), [
     ({"fail_next": 1, "fail_status": 503}, 503, None),          # engine admission control passes through
     ({"fail_next": 1, "fail_status": 400, "fail_body": {"error": {"message": "bad ids", "type": "BadRequestError",

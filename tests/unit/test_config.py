@@ -70,8 +70,10 @@ def test_render_off_needs_an_engine_that_answers_on_its_own_api(tmp_path: Path) 
     refuses to start with either."""
     from coordinator.app import build_components
 
-    off = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000"}])
+    off = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000", "native_api": False}])
     assert "native_api" in (off.render_off_problem() or "")
+    learned = load_settings(render={"enable": False}, engines=[{"url": "http://e:8000"}])
+    assert learned.render_off_problem() is None   # unset: learned from the engine when it starts
     with pytest.raises(ValueError, match="native_api"):
         build_components(off)
     key = tmp_path / "key"

@@ -42,6 +42,8 @@ class Fleet:
         self.slow: set[str] = set()
         self.metrics: dict[str, str] = {}
         self.tokenize: dict[str, int] = {}  # /tokenize status per engine (unset: 404, a route it lacks)
+        self.chat: dict[str, int] = {}  # /v1/chat/completions status per engine (unset: 404)
+        self.auth: list[str | None] = []  # the Authorization header of each chat probe
         self.paths: list[str] = []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -57,6 +59,9 @@ class Fleet:
             return httpx.Response(200, text=self.metrics[base])
         if request.url.path == "/tokenize" and base in self.tokenize:
             return httpx.Response(self.tokenize[base], json={})
+        if request.url.path == "/v1/chat/completions" and base in self.chat:
+            self.auth.append(request.headers.get("authorization"))
+            return httpx.Response(self.chat[base], json={})
         return httpx.Response(404)
 
 
@@ -416,13 +421,16 @@ async def test_discovery_builds_engine_settings() -> None:
 
 async def test_discovered_engines_may_serve_their_own_api(make: Callable[..., EngineRegistry]) -> None:
     """``discovery[].native_api`` marks every engine found under the name, so a Kubernetes fleet has
-    a render fallback; and render off is accepted with such an entry alone."""
+    a render fallback; and render off is accepted with such an entry alone (or one left to learn it),
+    refused when every entry says false."""
     reg = make(settings(discovery=discovery(native_api=True)), resolver=Resolver("10.0.0.1", "10.0.0.2"))
     await reg.discover_once()
     assert [e.native_api for e in reg.engines] == [True, True]
     off = Settings(render={"enable": False}, discovery=[discovery(native_api=True)])
     assert off.render_off_problem() is None
-    assert "native_api" in str(Settings(render={"enable": False}, discovery=[discovery()]).render_off_problem())
+    assert Settings(render={"enable": False}, discovery=[discovery()]).render_off_problem() is None
+    assert "native_api" in str(Settings(render={"enable": False}, engines=[],
+                                        discovery=[discovery(native_api=False)]).render_off_problem())
 
 
 async def test_discovery_merges_with_static_engines(make: Callable[..., EngineRegistry], fleet: Fleet,
@@ -597,6 +605,43 @@ async def test_a_configured_tokenizer_wins_and_skips_the_probe(
     reg.update([EngineSettings(url=A, tokenizer=False), EngineSettings(url=B)])
     await reg.probe_once()
     assert not a.can("tokenizer") and b.can("tokenizer")  # B's now learned
+
+
+async def test_the_engines_own_api_is_learned_where_a_tokenizer_is_loaded(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """The native route needs an engine whose ``/v1/chat/completions`` answers: vLLM's 400 for the
+    probe's empty body says the route is there; 404 says it is not (an engine serving the token route
+    alone); a ``--tokens-only`` engine (no tokenizer) is never asked, since it fails on that route; a
+    401 hides the route behind a key, so it is asked again; a configured value wins unasked."""
+    D, E = "http://d:8000", "http://e:8000"
+    fleet.tokenize = {A: 200, B: 200, C: 400, D: 200, E: 200}
+    fleet.chat = {A: 400, C: 400, D: 401, E: 400}
+    reg = make(settings(EngineSettings(url=A), EngineSettings(url=B), EngineSettings(url=C),
+                        EngineSettings(url=D, api_key="k-d"), EngineSettings(url=E, native_api=False)))
+    d = reg.engines[3]
+    assert not any(x.can("native_api") for x in reg.engines)   # before the first round
+    await reg.probe_once()
+    assert [x.can("native_api") for x in reg.engines] == [True, False, False, False, False]
+    assert d.learned_native_api is None and fleet.auth.count("Bearer k-d") == 1
+    assert fleet.paths.count("/v1/chat/completions") == 3      # A, B and D: not C (no tokenizer), not E
+    fleet.chat[D] = 400
+    fleet.paths.clear()
+    await reg.probe_once()
+    assert d.can("native_api") and fleet.paths.count("/v1/chat/completions") == 1
+    await reg.probe_once()
+    assert "/v1/chat/completions" not in fleet.paths[-5:]       # learned: not asked again
+
+
+async def test_the_native_route_finds_learned_engines(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """Render off with an engine left to learn: once it answers, the route serves through it."""
+    fleet.tokenize, fleet.chat = {A: 400, B: 200}, {B: 400}
+    reg = make(settings(EngineSettings(url=A), EngineSettings(url=B)))
+    await reg.probe_once()
+    assert [x.url for x in reg.engines if x.can("native_api")] == [B]
+    fleet.down.add(B)
+    await reg.probe_once()
+    assert not reg.engines[1].can("native_api") and reg.engines[1].learned_native_api is None
 
 
 @pytest.fixture(scope="module")

@@ -507,7 +507,8 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
         return await _with_cancellation(raw_request, server.serve_generate(request, raw_request))
 
     abort_handler: Callable[[Request], Awaitable[Response]] = server.abort_requests
-    app.add_api_route("/inference/v1/abort_requests", abort_handler, methods=["POST"])
+    if cfg.abort_route:
+        app.add_api_route("/inference/v1/abort_requests", abort_handler, methods=["POST"])
     if cfg.legacy_abort_route:
         app.add_api_route("/abort_requests", abort_handler, methods=["POST"])
 

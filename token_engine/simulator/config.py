@@ -132,6 +132,9 @@ class SimConfig(BaseModel):
     """vLLM's `--api-key`: guards /v1, /v2, /inference with `401 {"error":"Unauthorized"}`."""
     legacy_abort_route: bool = True
     """`--tokens-only` also mounts the unauthenticated `POST /abort_requests`."""
+    abort_route: bool = True
+    """`POST /inference/v1/abort_requests`, which vLLM 0.32 always mounts beside generate; off, the engine
+    is one that serves generate alone, aborted only by closing the request's connection."""
 
     @model_validator(mode="after")
     def _check_ranges(self) -> SimConfig:

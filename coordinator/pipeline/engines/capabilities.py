@@ -9,6 +9,14 @@ command lines, so the coordinator asks each engine: ``POST /tokenize`` answers 2
 tokenizer is loaded, and 400 "Tokenizer not available when `skip_tokenizer_init=True`" on a token-only
 engine (vLLM 0.32, ``entrypoints/serve/tokenize``). ``engines[].tokenizer`` overrides what was
 learned (docs/engine-capabilities.md).
+
+The engine's own OpenAI API (the native route) is learned the same way: it works only where a
+tokenizer is loaded (a ``--tokens-only`` vLLM registers ``/v1/chat/completions`` but fails on it),
+and only where the route exists at all (an engine that serves the token route alone, like the
+simulator, answers 404). The probe sends an empty body: vLLM validates it and answers 400 without
+running anything. ``engines[].native_api`` overrides. Whether ``/inference/v1/abort_requests`` is
+served is learned from the engine's answer to the first abort (``client.py``); without it, closing a
+generate stream is what aborts the request in vLLM.
 """
 
 from __future__ import annotations
@@ -48,6 +56,22 @@ async def probe_tokenizer(http: httpx.AsyncClient, url: str, timeout_s: float) -
     return None
 
 
+async def probe_native_api(http: httpx.AsyncClient, url: str, timeout_s: float,
+                           headers: dict[str, str] | None = None) -> bool | None:
+    """Whether the engine at ``url`` serves ``/v1/chat/completions``: True (any answer of the route's
+    own: vLLM's 400 for the empty body), False (404 / 405: no such route), None (no answer, a 5xx, or
+    a 401 / 403 that hides the route behind a key: ask again next round)."""
+    try:
+        resp = await http.post(f"{url}/v1/chat/completions", json={}, timeout=timeout_s, headers=headers)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code in (404, 405):
+        return False
+    if resp.status_code in (401, 403, 408, 429) or resp.status_code >= 500:
+        return None
+    return True
+
+
 def has_grammar(sampling_params: object) -> bool:
     """Render puts every constraint it derived (``response_format``, ``structured_outputs``, forced
     tool calls) into ``sampling_params.structured_outputs``, so this one key says it all."""
@@ -63,4 +87,5 @@ def needs_of(sampling_params: object) -> frozenset[Capability]:
     return NO_NEEDS
 
 
-__all__ = ["NATIVE_API", "NO_NEEDS", "TOKENIZER", "Capability", "has_grammar", "needs_of", "probe_tokenizer"]
+__all__ = ["NATIVE_API", "NO_NEEDS", "TOKENIZER", "Capability", "has_grammar", "needs_of", "probe_native_api",
+           "probe_tokenizer"]

@@ -2,7 +2,9 @@
 
 Closing a generate stream aborts the request inside vLLM; we also call
 ``/inference/v1/abort_requests`` with the engine's full id (``generate-tokens-<id>``) because a
-pooled connection may be closed lazily, and an abort must not depend on that.
+pooled connection may be closed lazily, and an abort must not depend on that. An engine that answers
+that route 404 / 405 does not serve it: it is not called there again, and closing the connection
+(which the client does for every request it leaves unfinished) is the abort.
 """
 
 from __future__ import annotations
@@ -166,10 +168,13 @@ class EngineClient:
             self.abort_soon(engine, request_id)
         return failure
 
-    def abort_soon(self, engine: Engine, request_id: str) -> asyncio.Task[bool]:
+    def abort_soon(self, engine: Engine, request_id: str) -> asyncio.Task[bool] | None:
         """Fire-and-forget abort by full engine id; tracked so shutdown waits for it. The task's result
         says whether the engine accepted it; the current request's observation record gets the task
-        (``record.on_engine_abort``), so a door can learn the answer without waiting for it."""
+        (``record.on_engine_abort``), so a door can learn the answer without waiting for it. None when
+        the engine has no abort route: the closed connection aborted the request, and no call is sent."""
+        if engine.abort_route is False:
+            return None
         task = asyncio.create_task(self.abort(engine, request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -187,7 +192,12 @@ class EngineClient:
             accepted = False
         else:
             accepted = resp.status_code == 200
-            if not accepted:
+            if resp.status_code in (404, 405):
+                engine.abort_route = False
+                log.info("engine %s has no abort route: closing its streams aborts its requests", engine.url)
+            elif accepted:
+                engine.abort_route = True
+            else:
                 log.warning("abort of %s on %s refused: HTTP %d", request_id, engine.url, resp.status_code)
         if self.on_abort is not None:
             self.on_abort(accepted)

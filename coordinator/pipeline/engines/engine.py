@@ -27,11 +27,13 @@ class Engine:
     breaker: CircuitBreaker
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    native_api: bool = False         # also serves the OpenAI API (the native route may use it)
+    native_api: bool | None = None   # configured: serves the OpenAI API (native route); None = as learned
+    learned_native_api: bool | None = None  # asked of the engine (capabilities.py); None = not known yet
     max_model_len: int | None = None  # configured when shorter than the model's
     pd_protocol: PdProtocol = "handoff"  # how a prefill/decode engine pairs up (config.py)
     tokenizer: bool | None = None    # configured: loads a tokenizer (grammars, bad_words); None = as learned
     learned_tokenizer: bool | None = None  # asked of the engine (capabilities.py); None = not known yet
+    abort_route: bool | None = None  # serves /inference/v1/abort_requests; learned from its first answer
     api_key: str | None = None       # the coordinator's bearer token for an engine run with --api-key
     inflight_requests: int = 0
     inflight_tokens: int = 0
@@ -49,10 +51,20 @@ class Engine:
         """Whether the engine can run what ``capability`` names (capabilities.py). Not known yet
         counts as no: a constrained request must never reach an engine that would drop or refuse it."""
         if capability == NATIVE_API:
-            return self.native_api
+            return self.native_api if self.native_api is not None else self.learned_native_api is True
         if capability == TOKENIZER:
             return self.tokenizer if self.tokenizer is not None else self.learned_tokenizer is True
         return False
+
+    @property
+    def learning(self) -> bool:
+        """Some capability is neither configured nor learned yet (the registry asks the engine)."""
+        return ((self.tokenizer is None and self.learned_tokenizer is None)
+                or (self.native_api is None and self.learned_native_api is None))
+
+    def forget_learned(self) -> None:
+        """The engine went away: it may come back started with other flags, so ask again then."""
+        self.learned_tokenizer = self.learned_native_api = self.abort_route = None
 
     def can_all(self, needs: frozenset[Capability]) -> bool:
         return all(self.can(c) for c in needs)

@@ -21,9 +21,7 @@ from pydantic import SecretStr
 from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
-from coordinator.pipeline.engines.capabilities import (
-    probe_tokenizer,
-)
+from coordinator.pipeline.engines.capabilities import TOKENIZER, probe_native_api, probe_tokenizer
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
 from coordinator.pipeline.engines.engine import Engine, EngineState
 from coordinator.pipeline.engines.telemetry import scrape
@@ -381,8 +379,8 @@ class EngineRegistry:
                 engine.probe_ok = ok
                 engine.probe_timeouts = 0
             if ok is False:
-                engine.learned_tokenizer = None  # it may come back started with other flags: ask again then
-            elif ok and engine.learned_tokenizer is None and engine.tokenizer is None:
+                engine.forget_learned()
+            elif ok and engine.learning:
                 await self._learn_capabilities(engine)
 
         async def telemetry() -> None:
@@ -396,14 +394,27 @@ class EngineRegistry:
             await health()
 
     async def _learn_capabilities(self, engine: Engine) -> None:
-        found = await probe_tokenizer(self._http, engine.url, _PROBE_TIMEOUT_S)
-        if found is None or not self._is_current(engine):
-            return
         # No listener to tell: a request never waits for a capability (the scheduler refuses at once
         # when no engine has it), and the first round runs before the coordinator serves.
-        engine.learned_tokenizer = found
-        log.info("engine %s %s (%s)", engine.url, "loads a tokenizer" if found else "loads no tokenizer",
-                 "structured outputs and bad_words can run there" if found else "--tokens-only")
+        if engine.tokenizer is None and engine.learned_tokenizer is None:
+            found = await probe_tokenizer(self._http, engine.url, _PROBE_TIMEOUT_S)
+            if found is None or not self._is_current(engine):
+                return
+            engine.learned_tokenizer = found
+            log.info("engine %s %s (%s)", engine.url, "loads a tokenizer" if found else "loads no tokenizer",
+                     "structured outputs and bad_words can run there" if found else "--tokens-only")
+        if engine.native_api is not None or engine.learned_native_api is not None:
+            return
+        native = False   # without a tokenizer the engine's own OpenAI API cannot answer (capabilities.py)
+        if engine.can(TOKENIZER):
+            headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else None
+            found = await probe_native_api(self._http, engine.url, _PROBE_TIMEOUT_S, headers)
+            if found is None or not self._is_current(engine):
+                return
+            native = found
+        engine.learned_native_api = native
+        log.info("engine %s %s", engine.url, "serves its own OpenAI API (the native route may use it)"
+                 if native else "does not serve its own OpenAI API")
 
     async def discover_once(self) -> None:
         """One discovery round over every configured Service (no-op without any)."""
