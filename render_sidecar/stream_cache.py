@@ -15,6 +15,13 @@ runs *that same method* in both cases, with a stand-in for its ``self``:
 Equivalence with the replay is what the tests check at every chunk size; ``check_vllm_shape`` fails
 loudly when the method or the state stops looking the way this relies on.
 
+**Logprobs.** vLLM 0.32's parsed method drops the chunk's logprobs (its note: "that parsed path does
+not resolve logprobs yet"), where native ``vllm serve`` with the same parser streams them on every
+chunk unless ``include_reasoning`` is false (``hide_stream_metadata`` in its chat serving). Both paths
+here resolve them as vLLM's plain path does (``_resolve_logprobs`` with the carried
+``logprob_context_token_ids``) and apply native's rule, so a parser on the sidecar no longer costs a
+client its streamed logprobs.
+
 Calls this module does not answer (no parser, not a streaming body, a body vLLM would refuse, the
 usage chunk) return None and go to vLLM's own route, so their answers (errors included) are vLLM's.
 The one answer of its own: a call whose state needs a replay but that carries no ``prompt_token_ids``
@@ -36,7 +43,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     DerenderStreamState,
     GenerateTokensStreamResponse,
 )
-from vllm.renderers.online_derenderer import OnlineDerenderer
+from vllm.renderers.online_derenderer import OnlineDerenderer, _logprob_context_tail, _resolve_logprobs
 
 from render_sidecar.sessions import Session, SessionCache, estimate_bytes
 
@@ -224,13 +231,31 @@ class CachedChatStream:
     async def _run(self, stand_in: _Self, parser_cls: Any, model: str,
                    chunk: GenerateTokensStreamResponse, state: DerenderStreamState, chat_request: Any,
                    prompt_tokens: int | None, prompt_token_ids: list[int]) -> Any:
-        """vLLM's parsed stream method on the renderer's executor, as vLLM's own route runs it."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._derenderer.renderer._executor,
-            lambda: OnlineDerenderer._derender_chat_stream_parsed(
+        """vLLM's parsed stream method on the renderer's executor, as vLLM's own route runs it, then
+        the chunk's logprobs (module docstring)."""
+        def run() -> tuple[Any, DerenderStreamState]:
+            out, new_state = OnlineDerenderer._derender_chat_stream_parsed(
                 stand_in,  # type: ignore[arg-type]  # duck-typed self, see _Self
-                parser_cls, model, chunk, state, chat_request, prompt_tokens, prompt_token_ids))
+                parser_cls, model, chunk, state, chat_request, prompt_tokens, prompt_token_ids)
+            return out, self._with_logprobs(out, new_state, chunk, chat_request)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._derenderer.renderer._executor, run)
+
+    def _with_logprobs(self, out: Any, state: DerenderStreamState, chunk: GenerateTokensStreamResponse,
+                       chat_request: Any) -> DerenderStreamState:
+        """Put the engine chunk's logprobs on ``out``'s choice, as native does with a parser; the
+        state's logprob context moves on by the chunk's tokens."""
+        if not chunk.choices or not out.choices:
+            return state
+        source = chunk.choices[0]
+        if source.logprobs is None or not chat_request.logprobs or chat_request.include_reasoning is False:
+            return state
+        tokenizer = self._derenderer.renderer.get_tokenizer()
+        out.choices[0].logprobs = _resolve_logprobs(
+            source.logprobs, tokenizer, initial_context_token_ids=state.logprob_context_token_ids)
+        return state.model_copy(update={"logprob_context_token_ids": _logprob_context_tail(
+            state.logprob_context_token_ids, source.token_ids or [])})
 
     def _too_long(self, prompt_len: int, prior_len: int, chunk: GenerateTokensStreamResponse) -> str | None:
         """vLLM's length bound of a streaming chat derender call (ServingDerender), same message."""
@@ -277,6 +302,11 @@ def check_vllm_shape() -> None:
         origin = getattr(field.annotation, "__origin__", field.annotation)
         if origin not in plain:
             raise RuntimeError(f"DerenderStreamState.{name} is {field.annotation}, not plain JSON data")
+    if "logprob_context_token_ids" not in fields:
+        raise RuntimeError("DerenderStreamState lacks logprob_context_token_ids")
+    resolve = list(inspect.signature(_resolve_logprobs).parameters)
+    if resolve != ["logprobs", "tokenizer", "initial_context_token_ids"]:
+        raise RuntimeError(f"_resolve_logprobs takes {resolve}")
     detok = list(inspect.signature(OnlineDerenderer._detokenize_delta).parameters)
     if detok[:4] != ["self", "tokenizer", "delta_token_ids", "state"]:
         raise RuntimeError(f"OnlineDerenderer._detokenize_delta takes {detok}")

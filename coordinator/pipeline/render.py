@@ -55,7 +55,7 @@ from coordinator.observability.events import event
 from coordinator.pipeline import native_api
 from coordinator.pipeline.catalog import ModelCatalog, ModelEntry
 from coordinator.pipeline.context import NativeCall, PromptPlan, RequestContext, StopSpec
-from coordinator.pipeline.derender.fixups import widen_completion_logprobs
+from coordinator.pipeline.derender.fixups import widen_completion_logprobs, widen_logprob_token_ids
 from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
@@ -271,6 +271,7 @@ class RenderStage:
                         bool(sp.get("include_stop_str_in_output", False)), int(sp.get("min_tokens", 0)))
         if ctx.kind == "completion":
             widen_completion_logprobs(sp)  # cut back to native's count after the engine (fixups.py)
+        widen_logprob_token_ids(sp)
         generate = cast(GenerateRequest, gr)  # a copy already (above); the JSON render answered
         generate["sampling_params"] = cast(SamplingParams, sp)
         # The engine's own queue order (``--scheduling-policy priority``), the same value admission

@@ -24,7 +24,11 @@ from coordinator.pipeline.errors import BadRequest, VocabularyUnknown
 INT32_LIMIT = 2**31  # engine tensors hold ids as int32: the last line when the vocabulary is unknown
 
 # Sampling fields that carry token ids, as the client names them (and as render passes them on).
-ID_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids")
+ID_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids", "logprob_token_ids")
+ENGINE_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs (engines and the sidecar's derender)
+# The token route returns named ids as a position's top logprobs, one of whose entries is the sampled
+# token (derender/fixups.py, widen_logprob_token_ids); native takes 128 (vLLM's MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = ENGINE_MAX_LOGPROBS - 1
 
 
 def check_client_ids(body: dict[str, Any], vocab_size: int | None, *, completion: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.structured import check_response_format, check_structured_outputs
-from coordinator.pipeline.token_ids import bias_keys, is_id_list
+from coordinator.pipeline.token_ids import ENGINE_MAX_LOGPROBS, MAX_LOGPROB_TOKEN_IDS, bias_keys, is_id_list
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ _COMMON = frozenset({
     "echo", "prompt_logprobs",
     # Logprob tokens named by id: renamed from the engine's ids after derender (token_names.py).
     "return_tokens_as_token_ids",
+    # Logprobs of the ids the client names at each position (the engine is asked so that the token
+    # route returns every one of them: fixups.py, widen_logprob_token_ids).
+    "logprob_token_ids",
     # The engine applies these on ids alone (its scheduler's stop check; its configured watermark).
     "repetition_detection", "watermarking",
     # The engine ends reasoning after this many tokens (its --reasoning-parser; ids from its tokenizer).
@@ -145,6 +148,16 @@ def _id_list(name: str) -> Callable[[Any], None]:
     return check
 
 
+def _logprob_token_ids(v: Any) -> None:
+    _id_list("logprob_token_ids")(v)
+    if len(v) > MAX_LOGPROB_TOKEN_IDS:
+        raise BadRequest(
+            f"'logprob_token_ids' may name at most {MAX_LOGPROB_TOKEN_IDS} ids here: the token route "
+            f"returns them as the engine's top logprobs (one more entry than asked, the sampled token), "
+            f"and engines and derender hold those to --max-logprobs ({ENGINE_MAX_LOGPROBS})",
+            param="logprob_token_ids")
+
+
 def _logit_bias(v: Any) -> None:
     if not isinstance(v, dict):
         raise BadRequest("'logit_bias' must be an object mapping token ids to numbers", param="logit_bias")
@@ -183,6 +196,7 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
     "structured_outputs": check_structured_outputs,
     "stop_token_ids": _id_list("stop_token_ids"),
     "allowed_token_ids": _id_list("allowed_token_ids"),
+    "logprob_token_ids": _logprob_token_ids,
     "logit_bias": _logit_bias,
     "user": lambda v: _string("user", v),
     "bad_words": lambda v: _strings("bad_words", v),

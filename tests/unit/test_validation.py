@@ -41,6 +41,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": "10"}, "truncate_prompt_tokens"),
     ({"truncation_side": "middle"}, "truncation_side"),
+    ({"logprob_token_ids": "5"}, "logprob_token_ids"),
+    ({"logprob_token_ids": list(range(20))}, "logprob_token_ids"),   # 19 at most on the token route
     ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
@@ -65,6 +67,7 @@ def test_invalid_chat_values_name_the_field(patch: dict, param: str) -> None:
     {"bad_words": ["Paris", "London"]},
     {"truncate_prompt_tokens": 40, "truncation_side": "left"},
     {"truncate_prompt_tokens": -1},
+    {"logprob_token_ids": list(range(19))},
 ])
 def test_grammar_bad_words_and_truncation_pass_validation_unchanged(kind: str, patch: dict) -> None:
     """Render builds grammars and truncates; an engine with a tokenizer runs grammars and bad words:
@@ -92,3 +95,22 @@ def test_bad_prompts_are_rejected(prompt: object) -> None:
 def test_non_object_body_is_rejected() -> None:
     with pytest.raises(BadRequest):
         validate_request("chat", ["not", "an", "object"], strict=True)
+
+
+def test_logprob_token_ids_ask_the_engine_for_every_id_and_completions_show_them_uncut() -> None:
+    """The generate route cuts each position to ``sampling_params.logprobs`` entries (the sampled token
+    first): asked for one entry more, with a repeat that adds no key, every id named comes back."""
+    from coordinator.pipeline.derender.fixups import native_top_logprobs, widen_logprob_token_ids
+
+    sp: dict = {"logprob_token_ids": [7, 9], "logprobs": None}
+    widen_logprob_token_ids(sp)
+    assert sp == {"logprob_token_ids": [7, 9, 7], "logprobs": 3}
+    plain: dict = {"logprobs": 2}
+    widen_logprob_token_ids(plain)
+    assert plain == {"logprobs": 2}
+    tops = [{"token_id": 3}, {"token_id": 7}, {"token_id": 9}]
+    choice = {"logprobs": {"content": [{"token_id": 3, "rank": 4, "top_logprobs": list(tops)}]}}
+    native_top_logprobs(choice, {"logprobs": 1, "logprob_token_ids": [7, 9]})
+    assert choice["logprobs"]["content"][0]["top_logprobs"] == tops   # not cut to logprobs + 1
+    native_top_logprobs(choice, {"logprobs": 1})
+    assert choice["logprobs"]["content"][0]["top_logprobs"] == tops[:2]

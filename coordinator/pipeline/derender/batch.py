@@ -37,7 +37,7 @@ def trim(ctx: RequestContext, responses: list[dict[str, Any]]) -> tuple[list[dic
         choices = []
         for c in resp["choices"]:
             if ctx.kind == "completion":
-                native_top_logprobs(c, ctx.body.get("logprobs"))
+                native_top_logprobs(c, ctx.body)
             if stops_on_token(c, plan.stop):
                 if len(c["token_ids"]) == 1:
                     blank.add(plan.index * plan.n + int(c.get("index", 0)))

@@ -26,6 +26,16 @@ Each correction names the native behaviour it restores (vLLM 0.32 source):
   (``widen_completion_logprobs``) and each position is cut back to what native shows: k entries
   when the sampled token ranks within k, else k + 1 (``native_top_logprobs``). At k = 20, vLLM's
   default ``--max-logprobs``, the engine cannot be asked for more and such positions show 20.
+* **``logprob_token_ids`` come back whole.** Native returns, at each position, the sampled token and
+  every id asked for (``_get_top_logprobs(return_all=True)``); the generate route cuts each position
+  to ``sampling_params.logprobs`` entries, and render leaves that unset when ids are named, so none
+  would come back. vLLM requires ``logprobs`` to equal the number of ids when both are set, so the
+  engine is asked with the first id named once more at the end and ``logprobs`` one above the
+  client's count (``widen_logprob_token_ids``): the engine's entries for a position are the sampled
+  token then the ids, the repeat lands on a key already there, and the cut then keeps them all. The
+  one trace is the repeated id's ``rank`` in the engine's answer, which no OpenAI answer shows. Both
+  the engine and the sidecar's derender hold a position to ``--max-logprobs`` entries (20), so 19
+  ids can be named here where native takes 128 (``MAX_LOGPROB_TOKEN_IDS``, a 400 above it).
 * **Tool-call deltas carry only what is set.** Native chunks are written with
   ``exclude_unset``; derender's chunks have explicit ``null`` for ``id``/``type``/``name`` after the
   first fragment, which the OpenAI SDK's stream helper then copies over the real values.
@@ -36,6 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.pipeline.context import StopSpec
+from coordinator.pipeline.token_ids import ENGINE_MAX_LOGPROBS
 
 
 def stops_on_token(choice: dict[str, Any], spec: StopSpec) -> bool:
@@ -64,7 +75,14 @@ def tool_call_finish_reason(choice: dict[str, Any], tool_choice: Any) -> None:
         choice["finish_reason"] = "tool_calls"
 
 
-ENGINE_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def widen_logprob_token_ids(sampling_params: dict[str, Any]) -> None:
+    """``sampling_params`` naming ``logprob_token_ids``: asked so that the token route returns them all."""
+    ids = sampling_params.get("logprob_token_ids")
+    if isinstance(ids, list) and ids and sampling_params.get("logprobs") is None:
+        sampling_params["logprob_token_ids"] = [*ids, ids[0]]
+        sampling_params["logprobs"] = len(ids) + 1
 
 
 def widen_completion_logprobs(sampling_params: dict[str, Any]) -> None:
@@ -74,9 +92,10 @@ def widen_completion_logprobs(sampling_params: dict[str, Any]) -> None:
         sampling_params["logprobs"] = k + 1
 
 
-def native_top_logprobs(choice: dict[str, Any], k: Any) -> None:
+def native_top_logprobs(choice: dict[str, Any], body: dict[str, Any]) -> None:
     """An engine choice of a completion asking for ``k`` logprobs: each position's alternatives cut
-    to what native shows (they come sampled token first, then by rank)."""
+    to what native shows (they come sampled token first, then by rank). Named ids are shown whole."""
+    k = None if body.get("logprob_token_ids") else body.get("logprobs")
     lp = choice.get("logprobs")
     if type(k) is not int or not 0 < k < ENGINE_MAX_LOGPROBS or not isinstance(lp, dict):
         return

@@ -239,7 +239,7 @@ class PromptStream:
             return True  # a choice already ended by a stop string keeps generating until its siblings end
         new_ids: list[int] = choice.get("token_ids") or []
         if self.ctx.kind == "completion":
-            native_top_logprobs(choice, self.ctx.body.get("logprobs"))
+            native_top_logprobs(choice, self.ctx.body)
         if stops_on_token(choice, self.plan.stop):
             chunk = {**chunk, "choices": [without_stop_token(choice)]}
         self.derender_calls += 1
