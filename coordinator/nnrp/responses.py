@@ -7,6 +7,11 @@ doors cannot drift apart. Only the ends are the profile's: a failure is ``respon
 HTTP status, in Responses field names) and a cancellation ``response.cancelled``, because every
 operation ends with exactly one of the profile's terminal events (``docs/nnrp.md``).
 
+When the sidecar cannot convert the request (render off or down, a stock vLLM render server), it
+takes the native chain as over HTTP: the engine's own ``/v1/responses`` answers, and its events
+(already Responses events, numbered by the engine) are the result events as they came; its
+``response.completed`` ends the operation, its ``error`` event becomes ``response.error``.
+
 Kept apart from ``profile.py``, which stays free of the serving path's modules.
 """
 
@@ -38,18 +43,36 @@ class ResponsesStreamMapper(EventMapper):
     ``flush`` the open item's done events; ``complete`` the terminal ``response.completed``.
     """
 
-    __slots__ = ("_events",)
+    __slots__ = ("_events", "_native")
 
     def __init__(self) -> None:
         super().__init__()
         self._events: ResponseEvents | None = None
+        self._native = False
+
+    def native(self) -> None:
+        """The engine's own Responses events follow (the native chain): each goes on as it came."""
+        self._native = True
+
+    def _pass(self, event: Mapping[str, Any]) -> list[Event]:
+        failed = _failure(event) if event.get("type") != "error" else dict(event)
+        if failed is not None:
+            self.terminated = True
+            return [dict(error_event(failed))]
+        if event.get("type") == COMPLETED:
+            self.terminated = True
+        return [dict(event)]
 
     def start(self, form: ResponsesForm, ctx: RequestContext) -> list[Event]:
         self._events = ResponseEvents(form, ctx)
         return [] if self.terminated else self._events.start()
 
     def map_chunk(self, chunk: Mapping[str, Any]) -> list[Event]:
-        if self.terminated or self._events is None:
+        if self.terminated:
+            return []
+        if self._native:
+            return self._pass(chunk)
+        if self._events is None:
             return []
         failed = _failure(chunk)
         if failed is not None:
@@ -63,8 +86,15 @@ class ResponsesStreamMapper(EventMapper):
         return self._events.close()
 
     def complete(self) -> Event | None:
-        """``response.completed`` with the whole response; None if the operation already ended."""
-        if self.terminated or self._events is None:
+        """``response.completed`` with the whole response; None if the operation already ended. An
+        engine's stream that ended without its ``response.completed`` is a failure."""
+        if self.terminated:
+            return None
+        if self._native:
+            failed = self.fail({"message": "the engine's Responses stream ended without response.completed",
+                                "type": "BadGatewayError"}, 502)
+            return None if failed is None else dict(failed)
+        if self._events is None:
             return None
         self.terminated = True
         return self._events.completed()
@@ -77,6 +107,15 @@ def map_response(form: ResponsesForm, chat: Mapping[str, Any], ctx: RequestConte
     if failed is not None:
         return [dict(error_event(failed))]
     return [{"type": COMPLETED, "response": to_response(form, dict(chat), ctx)}]
+
+
+def map_native_response(response: Mapping[str, Any]) -> list[Event]:
+    """A non-streaming ``responses.create`` on the native chain: the engine's response object as the
+    ``response`` of one ``response.completed``."""
+    failed = _failure(response)
+    if failed is not None:
+        return [dict(error_event(failed))]
+    return [{"type": COMPLETED, "response": dict(response)}]
 
 
 def map_models(models: Mapping[str, Any]) -> list[Event]:

@@ -52,10 +52,11 @@ from coordinator.nnrp.profile import (
     map_chat_completion,
     parse_envelope,
 )
-from coordinator.nnrp.responses import ResponsesStreamMapper, map_models, map_response
+from coordinator.nnrp.responses import ResponsesStreamMapper, map_models, map_native_response, map_response
 from coordinator.observability.record import Observer, Record
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
-from coordinator.pipeline.context import ChunkStream, Kind, RequestContext
+from coordinator.pipeline.chat_form import ConversionUnavailable
+from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
 from coordinator.pipeline.errors import ClientGone, PipelineError
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.translate import in_responses_terms
@@ -98,7 +99,8 @@ class Runner(Protocol):
 
     async def serve(self, kind: Kind, body: Any, request_id: str, *, priority: int | None = None,
                     gone: Gone | None = None, record: Record | None = None,
-                    operation: str | None = None, tenant: Tenant = ANONYMOUS) -> ServedLike: ...
+                    operation: str | None = None, tenant: Tenant = ANONYMOUS,
+                    native: NativeCall | None = None) -> ServedLike: ...
 
 
 class ResponsesForms(Protocol):
@@ -443,23 +445,32 @@ class Session:
                 return
             body = op.envelope.body
             form: ResponsesForm | None = None
+            native: NativeCall | None = None
             if operation == RESPONSES_CREATE:
                 assert self._responses is not None
-                # The sidecar's conversion, as the HTTP door does it; from here it is a chat request.
-                form = await self._responses.form(body, op.request_id)
-                body = form.chat
+                # The sidecar's conversion, as the HTTP door does it; from here it is a chat request,
+                # or, when the sidecar cannot convert it, the engines' own route (the native chain).
+                try:
+                    form = await self._responses.form(body, op.request_id)
+                    body = form.chat
+                except ConversionUnavailable as exc:
+                    native = exc.call
             if op.envelope.policy.cache == "isolated" and "cache_salt" not in body:
                 body = {**body, "cache_salt": secrets.token_hex(16)}  # shares no cached prefix
             served = await self._runner.serve("chat", body, op.request_id, record=op.record,
-                                              operation=operation, tenant=self.tenant)
+                                              operation=operation, tenant=self.tenant, native=native)
             if served.stream is None:
                 response = served.response or {}
-                await self._whole(op, map_chat_completion(response) if form is None
+                await self._whole(op, map_native_response(response) if native is not None
+                                  else map_chat_completion(response) if form is None
                                   else map_response(form, response, served.ctx))
                 return
-            if form is not None and isinstance(op.mapper, ResponsesStreamMapper):
-                for opening in op.mapper.start(form, served.ctx):
-                    await self._emit(op, dict(opening))
+            if isinstance(op.mapper, ResponsesStreamMapper):
+                if native is not None:
+                    op.mapper.native()
+                elif form is not None:
+                    for opening in op.mapper.start(form, served.ctx):
+                        await self._emit(op, dict(opening))
             chunks = served.stream.events()
             try:
                 while not op.mapper.terminated:

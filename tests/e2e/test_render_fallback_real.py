@@ -368,3 +368,31 @@ def test_native_chain_errors_keep_each_apis_shape(
     assert route_of(ask(coord, "/v1/chat/completions", chat())) == ("native", "local")  # the fallback is up
     assert_nothing_held(coord)
     assert_nothing_held(token_only)
+
+
+async def test_nnrp_responses_take_the_engines_own_api_without_the_sidecar(
+        vllm_stack: VllmStack, model_dir: Path, coordinator_factory: CoordinatorFactory) -> None:
+    """The native chain on NNRP's ``responses.create`` too: render off, the engine's own Responses
+    events are the operation's result events (its ``response.completed`` the terminal one), and the
+    text equals the engine's answer over HTTP, streamed or not."""
+    from coordinator.nnrp.client import NnrpClient
+
+    coord = coordinator_factory(f"http://127.0.0.1:{free_port()}", [], engines=engines(vllm_stack),
+                                models=models(model_dir), render={"enable": False})
+    token_calls = generate_calls(vllm_stack.engine.url)
+    async with httpx.AsyncClient(timeout=120) as http:
+        direct = await http.post(f"{vllm_stack.native.url}/v1/responses", json={**RESPONSES, "stream": True})
+    kinds = [e["type"] for e in anthropic_events(direct)]
+    want = responses_text(direct)
+    url = coord.url.replace("http://", "ws://") + "/nnrp/v1"
+    async with await NnrpClient.connect(url) as client:
+        whole = await (await client.responses({**RESPONSES, "model": "gpt-4o-mini"})).collect()
+        streamed = await (await client.responses({**RESPONSES, "model": "gpt-4o-mini", "stream": True})).collect()
+    assert [e["type"] for e in whole] == ["response.completed"], whole
+    response = whole[0]["response"]
+    assert "".join(c["text"] for item in response["output"] if item["type"] == "message"
+                   for c in item["content"] if c["type"] == "output_text") == want != ""
+    assert [e["type"] for e in streamed] == kinds, [e["type"] for e in streamed]
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.output_text.delta") == want
+    assert generate_calls(vllm_stack.engine.url) == token_calls  # the token-only engine saw none
+    assert_nothing_held(coord)

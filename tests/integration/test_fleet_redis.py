@@ -198,7 +198,9 @@ def test_two_coordinators_hold_one_engine_to_one_budget(
     """Each request costs the same (fixed prompt, ``ignore_eos``); the engine's budget fits three.
     With the Redis fleet the engine never holds more than three, whichever coordinator sent them;
     with each coordinator counting alone (the local backend) it holds up to six: the overshoot the
-    shared ledger removes."""
+    shared ledger removes. A Redis call that fails (on a loaded machine, one slower than
+    ``fleet.timeout_s``) lets that admission stand on the local decision, by design, so a run in
+    which either coordinator lost Redis says nothing about the shared ledger and is run again."""
     body = {"model": SERVED, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 40, "ignore_eos": True,
             "temperature": 0}
     cost = 8 + 40
@@ -207,8 +209,16 @@ def test_two_coordinators_hold_one_engine_to_one_budget(
     coords = [coordinator_factory(render_sidecar.url, [slow_engine.url],
                                   admission={"engine_tokens": 3 * cost + cost // 2, "fleet": fleet_cfg})
               for _ in range(2)]
-    peak, done = peak_at_engine([c.url for c in coords], slow_engine, body, clients=4, seconds=4.0)
-    print(f"fleet backend {backend}: the engine held at most {peak} requests; {done} completed")
+    for _ in range(3):
+        peak, done = peak_at_engine([c.url for c in coords], slow_engine, body, clients=4, seconds=4.0)
+        outages = sum(getattr(c.components.ledger.fleet, "outages", 0) for c in coords)
+        print(f"fleet backend {backend}: the engine held at most {peak} requests; {done} completed; "
+              f"{outages} Redis outages so far")
+        if outages == 0:
+            break
+        for c in coords:
+            c.components.ledger.fleet.outages = 0
+    assert outages == 0, "every run lost Redis for a while: the shared ledger was never measured"
     assert done >= 6
     if backend == "redis":
         assert peak <= 3, f"the engine held {peak} requests of a 3-request budget"
@@ -250,6 +260,7 @@ def test_redis_stopped_mid_load_costs_no_request_and_leaks_nothing(
         for t in threads:
             t.join()
         assert [r["fleet"] for r in seen] == ["degraded", "degraded"] and all(r["ready"] for r in seen)
+        assert all(c.components.ledger.fleet.outages >= 1 for c in coords)  # what the budget test reads
         assert statuses and set(statuses) == {200}, sorted(set(statuses))
         deadline = time.monotonic() + 5
         while any(httpx.get(f"{c.url}/ready", timeout=10).json()["fleet"] != "shared" for c in coords):

@@ -161,3 +161,30 @@ def test_http_stream_failure_keeps_numbering_and_names_the_responses_field() -> 
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1] == {"type": "error", "code": "BadRequestError", "message": "'max_output_tokens' is too large",
                           "param": "max_output_tokens", "sequence_number": len(events) - 1}
+
+
+def test_the_native_chain_passes_the_engines_events_and_ends_on_its_completed() -> None:
+    """Render off or down: the engine's own Responses events are the result events as they came;
+    its ``response.completed`` is the terminal one, its ``error`` event the profile's
+    ``response.error``, and a stream that ends without either is a failure, never a silent end."""
+    from coordinator.nnrp.responses import ResponsesStreamMapper, map_native_response
+
+    m = ResponsesStreamMapper()
+    m.native()
+    created = {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1"}}
+    delta = {"type": "response.output_text.delta", "sequence_number": 1, "delta": "Paris"}
+    done = {"type": "response.completed", "sequence_number": 2, "response": {"id": "resp_1"}}
+    assert m.map_chunk(created) + m.map_chunk(delta) + m.map_chunk(done) == [created, delta, done]
+    assert m.terminated and m.map_chunk(delta) == [] and m.complete() is None
+    failing = ResponsesStreamMapper()
+    failing.native()
+    (err,) = failing.map_chunk({"type": "error", "code": "BadRequestError", "message": "no", "param": None})
+    assert err["type"] == "response.error" and failing.terminated
+    cut = ResponsesStreamMapper()
+    cut.native()
+    cut.map_chunk(created)
+    ended = cut.complete()
+    assert ended is not None and ended["type"] == "response.error"
+    assert map_native_response({"id": "resp_1", "output": []}) == [
+        {"type": "response.completed", "response": {"id": "resp_1", "output": []}}]
+    assert map_native_response({"error": {"message": "x"}})[0]["type"] == "response.error"

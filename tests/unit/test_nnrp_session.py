@@ -103,7 +103,7 @@ class Runner:
 
     async def serve(self, kind: str, body: Any, request_id: str, *, priority: int | None = None,
                     gone: Any = None, record: Any = None, operation: str | None = None,
-                    tenant: Any = None) -> FakeServed:
+                    tenant: Any = None, native: Any = None) -> FakeServed:
         self.calls.append((body, operation))
         self.tenants.append(tenant)
         if self.fail is not None:

@@ -149,6 +149,7 @@ class AdmissionController:
         self._weight = weight              # a tenant's weight, read at each grant (tenants may reload)
         self._queue_share = queue_share
         self._fleet_shares = fleet_shares
+        self.fleet_share_holds = 0  # times a tenant over its fleet share was held back (tests, /admin)
         self._capacity = capacity          # the budget shares split: global limit, else the engines'
         self._tenant_names = tenant_names  # the configured tenants (each process publishes them all)
         self._waiting: dict[str, int] = {}  # tenant → tokens of its waiters
@@ -245,7 +246,10 @@ class AdmissionController:
                   for n in names}
         demand[tenant] = max(demand[tenant], held + tokens)
         alloc = fair_allocation(demand, self._weight, self._capacity())
-        return held + tokens <= alloc.get(tenant, 0.0)
+        if held + tokens <= alloc.get(tenant, 0.0):
+            return True
+        self.fleet_share_holds += 1
+        return False
 
     def fleet_totals(self, engines: list[Engine]) -> dict[str, int]:
         """What this process writes to the fleet at each lease renewal: the ledger's totals, and for

@@ -174,6 +174,7 @@ class RedisFleet:
         self._version = 0
         self._others: dict[str, int] = {}
         self._degraded = False
+        self.outages = 0  # times Redis became unreachable: each is a stretch of admitting alone
         self._script: Any = self._redis.register_script(_CLAIM)
         self._totals: Callable[[], Mapping[str, int]] = dict
         self._on_change: Callable[[], None] = lambda: None
@@ -290,6 +291,7 @@ class RedisFleet:
             return
         self._degraded = degraded
         if degraded:
+            self.outages += 1
             log.warning("fleet ledger: Redis unavailable (%s); admitting alone with 1/%d of each budget",
                         exc, self._expected)
         else:
