@@ -64,6 +64,22 @@ LONG_HISTORY = " ".join(f"Line {i} of a long shared history about lighthouses." 
 """A prefix long enough that KV affinity, not load, decides where a conversation goes."""
 
 
+def leave_stream(url: str, body: dict[str, Any], request_id: str, frames: int = 3) -> httpx.Headers:
+    """Open an SSE stream, read ``frames`` data frames and leave (close the connection): a client
+    that goes away mid-stream. Asserts the stream opened (200) and carried that many frames; returns
+    the response's headers."""
+    seen = 0
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body,
+                                                         headers={"X-Request-Id": request_id}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= frames:
+                break
+    assert seen >= frames, f"the stream ended after {seen} frames"
+    return resp.headers
+
+
 def generate_calls(engine_url: str) -> float:
     """A real vLLM engine's own count of answered ``/inference/v1/generate`` calls (its /metrics):
     proof that a request took the token route."""

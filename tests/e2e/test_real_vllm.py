@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import SERVED, VllmStack, make_settings
-from tests.support import CoordinatorServer, sse_events, streamed_text
+from tests.support import CoordinatorServer, leave_stream, sse_events, streamed_text
 
 pytestmark = pytest.mark.e2e
 
@@ -144,15 +144,8 @@ def test_client_disconnect_aborts_engine_within_one_second(coord: CoordinatorSer
     proc = vllm_stack.engine.process
     mark = proc.line_count()
     body = chat("Count from one to one thousand.", max_tokens=1500, ignore_eos=True, stream=True)
-    with httpx.Client(timeout=60) as client, client.stream(
-            "POST", f"{coord.url}/v1/chat/completions", json=body,
-            headers={"X-Request-Id": "disc-e2e-2"}) as resp:
-        assert resp.status_code == 200 and resp.headers["x-request-id"] == "disc-e2e-2"
-        frames = 0
-        for line in resp.iter_lines():
-            frames += line.startswith("data: ")
-            if frames >= 3:
-                break
+    headers = leave_stream(f"{coord.url}/v1/chat/completions", body, "disc-e2e-2")
+    assert headers["x-request-id"] == "disc-e2e-2"
     closed_at = time.monotonic()
     line = proc.wait_for_line(r"Aborted request\(s\) generate-tokens-chatcmpl-disc-e2e-2", timeout=1.0,
                               since=mark)
@@ -170,15 +163,7 @@ def test_closing_a_generate_stream_aborts_it_in_vllm(vllm_stack: VllmStack) -> N
     assert rendered.status_code == 200, rendered.text
     body = {**rendered.json(), "stream": True}
     mark = engine.process.line_count()
-    with httpx.Client(timeout=60) as client, client.stream(
-            "POST", f"{engine.url}/inference/v1/generate", json=body,
-            headers={"X-Request-Id": "close-only-1"}) as resp:
-        assert resp.status_code == 200
-        frames = 0
-        for line in resp.iter_lines():
-            frames += line.startswith("data: ")
-            if frames >= 3:
-                break
+    leave_stream(f"{engine.url}/inference/v1/generate", body, "close-only-1")
     line = engine.process.wait_for_line(r"Request generate-tokens-close-only-1\S* aborted", timeout=5.0,
                                         since=mark)
     assert line is not None, f"closing the stream did not abort it:\n{engine.process.tail()}"

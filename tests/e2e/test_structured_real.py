@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.config import EngineSettings
 from tests.conftest import SERVED, CoordinatorFactory, ToolStack, VllmStack
-from tests.support import CoordinatorServer, sse_events, streamed_text
+from tests.support import CoordinatorServer, leave_stream, sse_events, streamed_text
 
 pytestmark = pytest.mark.e2e
 
@@ -365,14 +365,7 @@ def test_a_client_leaving_a_constrained_stream_aborts_it_on_the_scale_out_engine
     proc = vllm_stack.native.process
     mark = proc.line_count()
     body = chat(stream=True, max_tokens=1500, structured_outputs={"regex": "(yes ){1000}"})
-    with httpx.Client(timeout=60) as client, client.stream(
-            "POST", f"{coord.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "leave-so"}) as resp:
-        assert resp.status_code == 200
-        frames = 0
-        for line in resp.iter_lines():
-            frames += line.startswith("data: ")
-            if frames >= 3:
-                break
+    leave_stream(f"{coord.url}/v1/chat/completions", body, "leave-so")
     line = proc.wait_for_line(r"Aborted request\(s\) generate-tokens-chatcmpl-leave-so", timeout=1.5, since=mark)
     assert line is not None, f"no abort within 1.5 s of the client leaving:\n{proc.tail()}"
     assert coord.wait_idle() == 0
