@@ -149,7 +149,7 @@ class AdmissionController:
         self._weight = weight              # a tenant's weight, read at each grant (tenants may reload)
         self._queue_share = queue_share
         self._fleet_shares = fleet_shares
-        self.fleet_share_holds = 0  # times a tenant over its fleet share was held back (tests, /admin)
+        self.fleet_share_holds = 0  # times a tenant over its fleet share was held back (tests read it)
         self._capacity = capacity          # the budget shares split: global limit, else the engines'
         self._tenant_names = tenant_names  # the configured tenants (each process publishes them all)
         self._waiting: dict[str, int] = {}  # tenant → tokens of its waiters

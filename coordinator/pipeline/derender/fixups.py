@@ -75,8 +75,6 @@ def tool_call_finish_reason(choice: dict[str, Any], tool_choice: Any) -> None:
         choice["finish_reason"] = "tool_calls"
 
 
-
-
 def widen_logprob_token_ids(sampling_params: dict[str, Any]) -> None:
     """``sampling_params`` naming ``logprob_token_ids``: asked so that the token route returns them all."""
     ids = sampling_params.get("logprob_token_ids")

@@ -57,7 +57,7 @@ async def probe_tokenizer(http: httpx.AsyncClient, url: str, timeout_s: float) -
 
 
 async def probe_native_api(http: httpx.AsyncClient, url: str, timeout_s: float,
-                           headers: dict[str, str] | None = None) -> bool | None:
+                           headers: dict[str, str]) -> bool | None:
     """Whether the engine at ``url`` serves ``/v1/chat/completions``: True (any answer of the route's
     own: vLLM's 400 for the empty body), False (404 / 405: no such route), None (no answer, a 5xx, or
     a 401 / 403 that hides the route behind a key: ask again next round)."""

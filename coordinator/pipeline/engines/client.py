@@ -48,9 +48,7 @@ def call_headers(request_id: str, engine: Engine | None = None) -> dict[str, str
     """Headers of a call to an engine: ``X-Request-Id`` (the engine's id for the request, which abort
     matches), the coordinator's bearer token for an engine run with ``--api-key`` (never the client's)
     and, for a traced request, the calling span's ``traceparent`` (vLLM's spans join it)."""
-    headers = {"X-Request-Id": request_id}
-    if engine is not None and engine.api_key:
-        headers["Authorization"] = f"Bearer {engine.api_key}"
+    headers = {"X-Request-Id": request_id, **(engine.credentials() if engine is not None else {})}
     tracing.inject(headers)
     return headers
 

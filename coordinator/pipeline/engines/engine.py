@@ -66,6 +66,11 @@ class Engine:
         """The engine went away: it may come back started with other flags, so ask again then."""
         self.learned_tokenizer = self.learned_native_api = self.abort_route = None
 
+    def credentials(self) -> dict[str, str]:
+        """The coordinator's ``Authorization`` header for an engine run with ``--api-key`` (never a
+        client's key); empty for one without."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def can_all(self, needs: frozenset[Capability]) -> bool:
         return all(self.can(c) for c in needs)
 

@@ -407,8 +407,7 @@ class EngineRegistry:
             return
         native = False   # without a tokenizer the engine's own OpenAI API cannot answer (capabilities.py)
         if engine.can(TOKENIZER):
-            headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else None
-            found = await probe_native_api(self._http, engine.url, _PROBE_TIMEOUT_S, headers)
+            found = await probe_native_api(self._http, engine.url, _PROBE_TIMEOUT_S, engine.credentials())
             if found is None or not self._is_current(engine):
                 return
             native = found
