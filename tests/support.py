@@ -175,9 +175,11 @@ class StreamReader(threading.Thread):
 
 
 def peak_at_engine(urls: list[str], sim: SimulatedEngine, body: dict[str, Any], clients: int,
-                    seconds: float) -> tuple[int, int]:
+                    seconds: float, new_connections: bool = False) -> tuple[int, int]:
     """Drive ``clients`` concurrent requests of ``body`` through each coordinator URL for ``seconds``;
-    the most requests the engine itself held at once (running + waiting), and how many completed."""
+    the most requests the engine itself held at once (running + waiting), and how many completed.
+    ``new_connections`` opens a connection per request, so that workers sharing one listening socket
+    each get some (a kept-alive connection stays with the worker that accepted it)."""
     stop = time.monotonic() + seconds
     done = [0]
     peak = [0]
@@ -186,7 +188,8 @@ def peak_at_engine(urls: list[str], sim: SimulatedEngine, body: dict[str, Any], 
     def client(url: str) -> None:
         with httpx.Client(timeout=60) as c:
             while time.monotonic() < stop:
-                r = c.post(f"{url}/v1/completions", json=body)
+                headers = {"Connection": "close"} if new_connections else {}
+                r = c.post(f"{url}/v1/completions", json=body, headers=headers)
                 assert r.status_code == 200, r.text
                 with lock:
                     done[0] += 1

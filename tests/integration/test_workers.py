@@ -192,10 +192,16 @@ def test_local_backend_splits_the_engine_budget_between_the_workers(
     local backend each worker has half, so the engine never holds more than three."""
     with pod(tmp_path, str(render_sidecar.url), slow_engine.url,
              admission={"engine_tokens": 3 * COST + COST // 2, "fleet": {"backend": "local"}}) as p:
-        peak, done = peak_at_engine([p.url], slow_engine, BODY, clients=8, seconds=4.0)
-        per_worker = {dict(k)["worker"]: v for k, v in p.metrics()["coordinator_worker_requests"].items()}
-        print(f"two workers, local backend: the engine held at most {peak} requests; {done} completed "
-              f"({per_worker} per worker)")
-        assert done >= 4
-        assert 1 <= peak <= 3, f"the engine held {peak} requests of a 3-request budget"
-        assert all(v > 0 for v in per_worker.values()), per_worker
+        # Which worker accepts a connection is the kernel's choice; a round in which one worker got
+        # none shows nothing about the split, so it is run again (each round still must hold the bound).
+        for _ in range(3):
+            peak, done = peak_at_engine([p.url], slow_engine, BODY, clients=8, seconds=4.0,
+                                        new_connections=True)
+            per_worker = {dict(k)["worker"]: v for k, v in p.metrics()["coordinator_worker_requests"].items()}
+            print(f"two workers, local backend: the engine held at most {peak} requests; {done} completed "
+                  f"({per_worker} per worker, all rounds)")
+            assert done >= 4
+            assert 1 <= peak <= 3, f"the engine held {peak} requests of a 3-request budget"
+            if all(v > 0 for v in per_worker.values()):
+                break
+        assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values()), per_worker
