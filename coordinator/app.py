@@ -36,6 +36,7 @@ from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender import Coalescing, Derender, Derenderer
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.engines.lora import AdapterLoader
 from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.obfuscating import build_engine_client
 from coordinator.pipeline.engines.registry import EngineRegistry
@@ -79,6 +80,8 @@ class Components:
     metaserver: Metaserver | None = None
     tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory(TenantsSettings()))
     limiter: TenantLimiter | None = None  # tenants' requests and tokens per minute
+    lora: AdapterLoader | None = None     # loads LoRA adapters onto engines on demand
+    _pins: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
@@ -104,6 +107,8 @@ class Components:
             # the others are asked when they first serve a stream (docs/parsers.md).
             await self.derenderer.features.learn(strict=True)
         self._sync = asyncio.create_task(_sync_catalog(self))
+        if self.lora is not None and self.pipeline.catalog.adapters():
+            self._pins = asyncio.create_task(_keep_pins(self), name="lora-pins")
         if self.settings.tenants.file is not None:
             self._watch = asyncio.create_task(self.tenants.watch(), name="tenants-file")
         registry, ledger = self.registry, self.ledger
@@ -115,6 +120,10 @@ class Components:
             self._sync.cancel()
         if self._watch is not None:
             self._watch.cancel()
+        if self._pins is not None:
+            self._pins.cancel()
+        if self.lora is not None:
+            await self.lora.aclose()
         if self.limiter is not None:
             await self.limiter.aclose()
         if self.precise is not None:
@@ -160,7 +169,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         engines=lambda: registry.engines)
     limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
-    profile = build_profile(settings.scheduling, ledger.engine_room)
+    profile = build_profile(settings.scheduling, ledger.engine_room, settings.lora.replicate_inflight)
     precise: PreciseIndexSource | None = None
     if prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
@@ -203,7 +212,9 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
 
     registry.add_listener(on_engine)
     catalog = ModelCatalog(settings.models, sidecar if settings.render.enable else None)
-    attempts = Attempts(registry, scheduler, admission, settings.resilience, metrics)
+    loader = AdapterLoader(engines.http, settings.lora, metrics)
+    attempts = Attempts(registry, scheduler, admission, settings.resilience, metrics,
+                        adapters=catalog.adapter, loader=loader)
     native = NativeRoute(NativeClient(settings.engine_client), registry, attempts,
                          obfuscated=lambda: settings.obfuscation.enabled)
     board = TriggerBoard(lambda status: metrics.trigger_callbacks.labels(str(status)).inc()) \
@@ -233,7 +244,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
-                      tenants=tenants, limiter=limiter)
+                      tenants=tenants, limiter=limiter, lora=loader)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -277,7 +288,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
                             c.native.client if c.native is not None else None, trigger=c.trigger)
     accounting.export(c.metrics)
     app.state.accounting = accounting
-    app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot))
+    app.include_router(build_admin_router(c.registry, c.admission, auth, accounting=accounting.snapshot,
+                                          catalog=c.pipeline.catalog, loader=c.lora))
 
     @app.get("/health")
     async def health() -> Response:
@@ -305,6 +317,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         c.registry.export_metrics()
         c.scheduler.export_metrics()
         c.admission.export_metrics()
+        if c.lora is not None:
+            c.lora.export_metrics(c.registry.engines)
         return generate_latest(c.metrics.registry)
 
     # With server.workers > 1 each worker's app gets ``state.pod`` (runtime/pod.py): whichever worker a
@@ -356,6 +370,15 @@ def build_limiter(settings: Settings, metrics: Metrics) -> TenantLimiter:
         buckets = LocalBuckets(1.0 / settings.server.workers)
     return TenantLimiter(buckets,
                          lambda tenant, limit: metrics.tenant_rate_limited.labels(tenant, limit).inc())
+
+
+async def _keep_pins(c: Components) -> None:
+    """Pinned adapters loaded where they are pinned, at start-up and after every health round (an
+    engine that restarted holds nothing)."""
+    assert c.lora is not None
+    while True:
+        c.lora.keep_pins(c.registry.engines, c.pipeline.catalog.adapters())
+        await asyncio.sleep(c.settings.engine_client.health_interval_s)
 
 
 async def _sync_catalog(c: Components) -> None:

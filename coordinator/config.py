@@ -211,6 +211,11 @@ class EngineSettings(_Section):
         "learn it from the engine (`POST /tokenize` at start-up and whenever it comes back; "
         "docs/engine-capabilities.md)",
     )
+    max_loras: int | None = Field(
+        default=None, ge=1, description="LoRA adapters the coordinator keeps registered on this engine "
+        "before it unloads an idle one (the engine's `--max-loras`); null = learned from the engine's "
+        "`vllm:lora_requests_info`, else lora.max_loras (docs/lora.md)",
+    )
 
 
 class DiscoverySettings(_Section):
@@ -240,6 +245,9 @@ class DiscoverySettings(_Section):
     native_api: bool | None = Field(
         default=None, description="whether these engines also serve their own OpenAI API (see "
         "engines[].native_api); null = learn it from each engine"
+    )
+    max_loras: int | None = Field(
+        default=None, ge=1, description="LoRA adapters kept on each of these engines (engines[].max_loras)"
     )
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="when set, each address publishes KV events here"
@@ -314,6 +322,10 @@ class TenantLimits(_Section):
     concurrent_tokens: int | None = Field(
         default=None, ge=1, description="in-flight tokens (prompt + max_tokens times n) of the tenant's "
         "admitted requests; more waits in the admission queue; null = no limit"
+    )
+    adapters: list[str] | None = Field(
+        default=None, description="the LoRA adapters the tenant may name (403 for another); null = every "
+        "adapter; base models stay open either way"
     )
 
 
@@ -432,7 +444,7 @@ class BoundedLoadSettings(_Section):
     window_s: float = Field(default=30.0, gt=0, description="the decisions of this long count towards shares")
 
 
-ScorerName = Literal["prefix", "load", "queue", "kv_usage"]
+ScorerName = Literal["prefix", "load", "queue", "kv_usage", "lora"]
 
 
 class ScorerSettings(_Section):
@@ -440,7 +452,8 @@ class ScorerSettings(_Section):
 
     name: ScorerName = Field(
         description="prefix: share of the prompt the engine holds; load: free share of its token budget; "
-        "queue: 1/(1+waiting); kv_usage: free KV cache"
+        "queue: 1/(1+waiting); kv_usage: free KV cache; lora: the engine holds the request's LoRA adapter "
+        "(docs/lora.md)"
     )
     weight: float = Field(default=1.0, ge=0, description="weight of this score in the sum")
 
@@ -467,8 +480,9 @@ class SchedulingSettings(_Section):
     )
 
     policy: Literal["affinity", "least_load", "round_robin", "random", "custom"] = Field(
-        default="affinity", description="affinity: prefix (weight 2) + load with the bounded_load picker; "
-        "least_load: load with max_score; custom: `scorers` + `picker`",
+        default="affinity", description="affinity: prefix (weight 2) + load + lora (weight 3) with the "
+        "bounded_load picker; least_load: load + lora (weight 3) with max_score; custom: `scorers` + "
+        "`picker`",
     )
     scorers: list[ScorerSettings] = Field(
         default_factory=lambda: [ScorerSettings(name="prefix", weight=2.0), ScorerSettings(name="load")],
@@ -553,6 +567,40 @@ class ResilienceSettings(_Section):
     telemetry: bool = Field(default=True, description="scrape engines' /metrics with each health probe")
 
 
+class AdapterSettings(_Section):
+    """A LoRA adapter of one base model: a name clients may ask for, and where engines load it from."""
+
+    name: str = Field(description="the name clients put in `model` (and engines know it by)")
+    path: str = Field(
+        description="where engines load the adapter from (vLLM's `lora_path`: a folder on the engines' "
+        "filesystem); must lie under one of lora.allowed_roots when those are set",
+    )
+    engines: list[str] = Field(
+        default_factory=list, description="engine URLs it is pinned on: loaded there at start-up and "
+        "never unloaded to make room (docs/lora.md)",
+    )
+
+
+class LoraSettings(_Section):
+    """Loading adapters on demand (docs/lora.md)."""
+
+    max_loras: int = Field(
+        default=4, ge=1, description="adapters kept per engine when neither engines[].max_loras nor the "
+        "engine's metrics say (vLLM's --max-loras)",
+    )
+    allowed_roots: list[str] = Field(
+        default_factory=list, description="adapter paths (config and admin loads) must lie under one of "
+        "these folders; empty = any path",
+    )
+    load_timeout_s: float = Field(
+        default=60.0, gt=0, description="one load on one engine, and how long requests wait for it",
+    )
+    replicate_inflight: int = Field(
+        default=8, ge=1, description="when every engine holding an adapter runs at least this many of "
+        "its requests, the next one may load it on another engine (hot adapters spread)",
+    )
+
+
 class ModelSettings(_Section):
     """A model clients may ask for: its served name (as render knows it) and aliases."""
 
@@ -573,6 +621,10 @@ class ModelSettings(_Section):
     tokenizer_path: str | None = Field(
         default=None, description="tokenizer folder or hub id for the local tokenizer used when render "
         "is unavailable; null = `path`, else the sidecar's `root`",
+    )
+    adapters: list[AdapterSettings] = Field(
+        default_factory=list, description="LoRA adapters of this model: served under their own names, "
+        "rendered with this model's tokenizer and template (docs/lora.md)",
     )
 
 
@@ -682,6 +734,7 @@ class Settings(BaseSettings):
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
     nnrp: NnrpSettings = Field(default_factory=NnrpSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
     engines: list[EngineSettings] = Field(
         default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")],
         description="the configured engines (discovered ones are merged in)",
@@ -702,7 +755,7 @@ class Settings(BaseSettings):
     def _unique_names(cls, models: list[ModelSettings]) -> list[ModelSettings]:
         seen: set[str] = set()
         for m in models:
-            for name in (m.name, *m.aliases):
+            for name in (m.name, *m.aliases, *(a.name for a in m.adapters)):
                 if name in seen:
                     raise ValueError(f"model name or alias {name!r} is configured twice")
                 seen.add(name)
@@ -718,6 +771,28 @@ class Settings(BaseSettings):
             self.scheduling.filters = [*self.scheduling.filters,
                                        FilterSettings(name="queue_depth", max_waiting=limit)]
         return self
+
+    @model_validator(mode="after")
+    def _adapters_allowed(self) -> Settings:
+        """An adapter path outside ``lora.allowed_roots`` is a configuration error, found at start-up."""
+        for m in self.models:
+            for a in m.adapters:
+                why = self.adapter_path_problem(a.path)
+                if why is not None:
+                    raise ValueError(f"adapter {a.name!r}: {why}")
+        return self
+
+    def adapter_path_problem(self, path: str) -> str | None:
+        """Why engines may not be told to load ``path``, or None (``lora.allowed_roots``)."""
+        roots = self.lora.allowed_roots
+        if not roots:
+            return None
+        clean = os.path.normpath(path)
+        if not os.path.isabs(clean) or not any(
+                clean == os.path.normpath(r) or clean.startswith(os.path.normpath(r).rstrip("/") + "/")
+                for r in roots):
+            return f"path {path!r} is outside the allowed adapter roots ({', '.join(roots)})"
+        return None
 
     @model_validator(mode="after")
     def _engines_known(self) -> Settings:

@@ -14,12 +14,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
+from coordinator.api.admin_lora import build_lora_router, residency
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import error_response
 from coordinator.config import EngineSettings
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.admission.tenants import DEFAULT
+from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.engines.lora import AdapterLoader
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import BadRequest, ModelNotFound, PipelineError
 
@@ -30,12 +33,14 @@ def describe(e: Engine) -> dict[str, Any]:
     return {"url": e.url, "role": e.role, "model": e.model, "weight": e.weight, "state": e.state,
             "breaker": e.breaker.state, "inflight_requests": e.inflight_requests,
             "inflight_tokens": e.inflight_tokens, "token_budget": e.token_budget,
-            "kv_events": e.kv_events, "telemetry": vars(e.telemetry)}
+            "kv_events": e.kv_events, "telemetry": vars(e.telemetry), "adapters": residency(e)}
 
 
 def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
                        auth: ApiKeyCheck, *,
-                       accounting: Callable[[], dict[str, Any]] | None = None) -> APIRouter:
+                       accounting: Callable[[], dict[str, Any]] | None = None,
+                       catalog: ModelCatalog | None = None, loader: AdapterLoader | None = None) -> APIRouter:
+    """``catalog`` and ``loader``: the LoRA adapters' routes (``admin_lora.py``) are served too."""
     router = APIRouter(prefix="/admin")
 
     def guarded(request: Request) -> None:
@@ -112,4 +117,7 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
             return error_response(exc)
         return JSONResponse({"engines": [describe(e) for e in registry.engines]})
 
+    if catalog is not None and loader is not None:
+        router.include_router(build_lora_router(registry, catalog, loader, registry.settings, guarded),
+                              prefix="")
     return router

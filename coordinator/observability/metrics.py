@@ -147,6 +147,19 @@ class Metrics:
         self.client_disconnects = Counter("coordinator_client_disconnects", "Requests whose client left "
                                           "(HTTP disconnect, NNRP socket closed) before the end", ["door"],
                                           registry=r)
+        # --- LoRA adapters (pipeline/engines/lora.py) ---
+        self.lora_placements = Counter(
+            "coordinator_lora_placements", "Adapter requests placed on an engine, by whether the engine "
+            "held the adapter already (held), had to load it (loaded) or joined a load in flight (joined)",
+            ["residency"], registry=r)
+        self.lora_loads = Counter("coordinator_lora_loads", "Adapter loads asked of engines, by result",
+                                  ["engine", "result"], registry=r)
+        self.lora_load_seconds = Histogram("coordinator_lora_load_seconds", "One adapter load on one engine",
+                                           buckets=_WAIT_BUCKETS, registry=r)
+        self.lora_evictions = Counter("coordinator_lora_evictions", "Idle adapters unloaded to make room",
+                                      ["engine"], registry=r)
+        self.lora_resident = Gauge("coordinator_lora_resident", "Adapters each engine holds (at scrape time)",
+                                   ["engine"], registry=r)
         self.engine_aborts = Counter("coordinator_engine_aborts", "Abort calls to engines, by the engine's "
                                      "answer (accepted: HTTP 200)", ["result"], registry=r)
 

@@ -1,14 +1,16 @@
-"""Model registry: client-facing names and aliases → the served name render and engines know."""
+"""Model registry: client-facing names, aliases and LoRA adapters → the served name render and engines
+know (an adapter renders as its base model; engines run it under its own name)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.config import ModelSettings
+from coordinator.pipeline.engines.adapters import Adapter
 from coordinator.pipeline.errors import BadRequest, ModelNotFound, UpstreamUnavailable
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.vocabulary import vocab_size_of
@@ -25,14 +27,18 @@ class ModelEntry:
     created: int = 0
     vocab_size: int | None = None     # exclusive bound of token ids (see vocabulary.py)
     path: str | None = None           # where to learn vocab_size from (else ``root``)
+    adapters: dict[str, Adapter] = field(default_factory=dict)
 
 
 def model_cards(e: ModelEntry) -> list[dict[str, Any]]:
-    """The OpenAI model cards of one entry: its name, then each alias (``parent``: the name). Every door
-    that lists models (``GET /v1/models``, NNRP ``models.list``) uses these, so they cannot differ."""
+    """The OpenAI model cards of one entry: its name, each alias (``parent``: the name), then each
+    adapter as vLLM lists one (``root``: its path, ``parent``: the base model). Every door that lists
+    models (``GET /v1/models``, NNRP ``models.list``) uses these, so they cannot differ."""
     card = {"object": "model", "created": e.created, "owned_by": "vllm", "root": e.root,
             "parent": None, "max_model_len": e.max_model_len}
-    return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases)]
+    return [{"id": e.name, **card}, *({"id": a, **card, "parent": e.name} for a in e.aliases),
+            *({"id": a.name, **card, "created": a.created, "root": a.path, "parent": e.name,
+               "max_model_len": None} for a in e.adapters.values())]
 
 
 class ModelCatalog:
@@ -42,12 +48,15 @@ class ModelCatalog:
     def __init__(self, models: list[ModelSettings], sidecar: SidecarClient | None) -> None:
         """``sidecar`` None: render is off; what the configuration says is all there is to learn."""
         now = int(time.time())
-        self._entries = {m.name: ModelEntry(m.name, list(m.aliases), m.max_model_len, None, now,
-                                            vocab_size=m.vocab_size, path=m.path)
-                         for m in models}
+        self._entries = {
+            m.name: ModelEntry(m.name, list(m.aliases), m.max_model_len, None, now, vocab_size=m.vocab_size,
+                               path=m.path,
+                               adapters={a.name: Adapter(a.name, m.name, a.path, tuple(a.engines), now)
+                                         for a in m.adapters})
+            for m in models}
         self._by_name: dict[str, ModelEntry] = {}
         for e in self._entries.values():
-            for n in (e.name, *e.aliases):
+            for n in (e.name, *e.aliases, *e.adapters):
                 self._by_name[n] = e
         self._sidecar = sidecar
         self._synced = False
@@ -61,8 +70,37 @@ class ModelCatalog:
         return {"object": "list", "data": [card for e in self.entries() for card in model_cards(e)]}
 
     def get(self, name: str) -> ModelEntry | None:
-        """The entry a name or alias points at, or None."""
+        """The entry a name, alias or adapter points at, or None."""
         return self._by_name.get(name)
+
+    def resolve_named(self, name: Any) -> tuple[ModelEntry, str | None]:
+        """``resolve``, and the adapter the name names (None for a base model or an alias)."""
+        entry = self.resolve(name)
+        return entry, name if name in entry.adapters else None
+
+    def adapter(self, name: Any) -> Adapter | None:
+        """The adapter ``name`` names, or None (a base model, an alias, or unknown)."""
+        entry = self._by_name.get(name) if isinstance(name, str) else None
+        return entry.adapters.get(name) if entry is not None else None
+
+    def adapters(self) -> list[Adapter]:
+        return [a for e in self._entries.values() for a in e.adapters.values()]
+
+    def add_adapter(self, base: str, name: str, path: str) -> Adapter:
+        """An adapter an operator registers at run time (``/admin``): served from now on. Raises
+        ``BadRequest`` when the name is taken or the base model unknown."""
+        entry = self._entries.get(base)
+        if entry is None:
+            raise BadRequest(f"The base model `{base}` is not configured", param="model")
+        known = self._by_name.get(name)
+        if known is not None:
+            existing = known.adapters.get(name)
+            if existing is not None and existing.base == base and existing.path == path:
+                return existing
+            raise BadRequest(f"The name `{name}` is already served", param="name")
+        adapter = entry.adapters[name] = Adapter(name, base, path, (), int(time.time()))
+        self._by_name[name] = entry
+        return adapter
 
     def resolve(self, name: Any) -> ModelEntry:
         if not isinstance(name, str):

@@ -87,7 +87,7 @@ class RequestContext:
     kind: Kind
     request_id: str                   # coordinator id (client X-Request-Id or generated)
     body: dict[str, Any]              # client request; ``model`` rewritten to the served name
-    model: str                        # served model name
+    model: str                        # served model name (an adapter's base: what render and derender know)
     stream: bool
     include_usage: bool
     priority: int = 0                 # admission order within the tenant: lower = sooner (vLLM's convention)
@@ -101,7 +101,13 @@ class RequestContext:
     tokenizer_source: TokenizerSource = "render"  # "local": render was unavailable (render fallback)
     visible: bool = False             # a chunk was handed to the client writer (no whole-request retry)
     native_api: NativeApi | None = None  # the body is this API's, for the engines' own route (native chain)
+    adapter: str | None = None        # the LoRA adapter the client named: engines run it, answers name it
     record: Record = field(default_factory=lambda: Record("internal"))  # observation record (doors share it)
+
+    @property
+    def public_model(self) -> str:
+        """The ``model`` answers carry: the adapter when one was named (as vLLM answers), else the model."""
+        return self.adapter or self.model
 
     @property
     def response_id(self) -> str:

@@ -190,6 +190,8 @@ class NativeRoute:
         ctx.route = "native"
         plans = ctx.prompts
         body = dict(ctx.body)
+        if ctx.adapter is not None:  # the engine's own API runs the adapter by its name
+            body["model"] = ctx.adapter
         budget = _BUDGET_FIELDS[ctx.native_api or ctx.kind]
         if plans and all(body.get(f) is None for f in budget):
             body[budget[0]] = min(p.max_tokens for p in plans)
@@ -201,7 +203,7 @@ class NativeRoute:
         req = SchedRequest(request_id=ctx.request_id, model=ctx.model, prompt_token_ids=first,
                            max_tokens=max(1, cost), priority=ctx.priority, tenant=ctx.tenant,
                            cache_salt=salt if isinstance(salt, str) else None,
-                           needs=frozenset({NATIVE_API}))
+                           needs=frozenset({NATIVE_API}), lora=ctx.adapter)
         return req, body
 
     def _native_engines(self, model: str) -> list[Engine]:

@@ -180,8 +180,9 @@ class RenderStage:
         if self._clamp:  # render must not refuse a budget the coordinator will clamp (module doc)
             body = {**body, **{f: 1 for f in ("max_completion_tokens", "max_tokens") if body.get(f)}}
         headers = None
-        if self._hash_block is not None and ctx.model.isascii():  # the model name seeds the chain
-            headers = {PREFIX_HASH_HEADER: prefix_hash_spec(self._hash_block, ctx.model)}
+        seed = ctx.adapter or ctx.model  # an adapter's blocks are its own (vLLM keys them by LoRA name)
+        if self._hash_block is not None and seed.isascii():  # the model name seeds the chain
+            headers = {PREFIX_HASH_HEADER: prefix_hash_spec(self._hash_block, seed)}
         out = await self._sidecar.post(path, body, request_id=ctx.request_id, stage="render", headers=headers)
         rendered = [out] if isinstance(out, dict) else out
         if not isinstance(rendered, list) or not rendered or not all(
@@ -277,5 +278,7 @@ class RenderStage:
         # The engine's own queue order (``--scheduling-policy priority``), the same value admission
         # ordered by: the body's ``priority`` or the door's priority header.
         generate["priority"] = ctx.priority
+        if ctx.adapter is not None:  # rendered as the base model; the engine runs the adapter
+            generate["model"] = ctx.adapter
         return PromptPlan(index=index, generate=generate, prompt_token_ids=ids,
                           n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes)

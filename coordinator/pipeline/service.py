@@ -149,14 +149,14 @@ class Pipeline:
         admission's early "queue full" refusal and the tenant's rate limits (nothing will be queued).
         The tenant's requests per minute are charged before render, its tokens per minute after."""
         body = validate_request(kind, body, strict=self._strict)
-        entry = self.catalog.resolve(body.get("model"))
+        entry, adapter = self.catalog.resolve_named(body.get("model"))
         body = {**body, "model": entry.name}
         check_client_ids(body, await self.catalog.vocab_size(entry), completion=kind == "completion")
         stream = bool(body.get("stream"))
         include_usage = bool(stream and (body.get("stream_options") or {}).get("include_usage"))
         ctx = RequestContext(kind=kind, request_id=request_id or uuid.uuid4().hex, body=body,
                              model=entry.name, stream=stream, include_usage=include_usage,
-                             priority=priority or 0, tenant=tenant.name)
+                             priority=priority or 0, tenant=tenant.name, adapter=adapter)
         if body.get("priority") is not None:  # the body's own wins (validated as an integer)
             ctx.priority = int(body["priority"])
         await self._enter(ctx, record, tenant, admit)
@@ -179,12 +179,12 @@ class Pipeline:
         limits and admission's early refusal applied, the prompt's size estimated (``native_api.py``)."""
         if not isinstance(body, dict):
             raise BadRequest("Request body must be a JSON object")
-        entry = self.catalog.resolve(body.get("model"))
+        entry, adapter = self.catalog.resolve_named(body.get("model"))
         body = {**body, "model": entry.name}
         own = body.get("priority")  # Responses has one (vLLM's); the engine checks its type
         ctx = RequestContext(kind="chat", request_id=request_id, body=body, model=entry.name,
                              stream=body.get("stream") is True, include_usage=False, tenant=tenant.name,
-                             priority=own if type(own) is int else priority or 0)
+                             priority=own if type(own) is int else priority or 0, adapter=adapter)
         await self._enter(ctx, record, tenant, admit=True)
         await self._render.native_api(ctx, entry, call)
         ctx.record.prompt_tokens = sum(p.prompt_tokens for p in ctx.prompts)
@@ -204,7 +204,7 @@ class Pipeline:
         will be queued)."""
         if record is not None:
             ctx.record = record
-            record.model, record.stream, record.tenant = ctx.model, ctx.stream, tenant.name
+            record.model, record.stream, record.tenant = ctx.public_model, ctx.stream, tenant.name
         if admit:
             await self._front.before_render(ctx, tenant)
 

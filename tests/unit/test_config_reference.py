@@ -91,7 +91,7 @@ def test_rows_show_type_default_and_environment() -> None:
     assert rows["engines"].env == "`COORD_ENGINES` (JSON)"
     assert (rows["engines[].url"].default, rows["engines[].url"].env) == ("required", ref.NO_ENV)
     assert rows["models"].default == ("`[{name: smollm2-135m-instruct, aliases: [gpt-4o-mini], max_model_len: "
-                                      "null, vocab_size: null, path: null, tokenizer_path: null}]`")
+                                      "null, vocab_size: null, path: null, tokenizer_path: null, adapters: []}]`")
 
 
 def test_every_environment_name_reaches_its_key(monkeypatch: pytest.MonkeyPatch) -> None:

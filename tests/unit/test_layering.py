@@ -185,7 +185,9 @@ DOOR_FACES = ("coordinator.pipeline.service", "coordinator.pipeline.context", "c
               "coordinator.pipeline.chat_form", "coordinator.pipeline.messages", "coordinator.pipeline.responses")
 OPERATOR_FACES = {
     "coordinator.api.admin": ("coordinator.pipeline.admission.controller", "coordinator.pipeline.engines.registry",
-                              "coordinator.pipeline.engines.engine"),
+                              "coordinator.pipeline.engines.engine", "coordinator.pipeline.engines.lora"),
+    "coordinator.api.admin_lora": ("coordinator.pipeline.engines.registry", "coordinator.pipeline.engines.engine",
+                                   "coordinator.pipeline.engines.lora", "coordinator.pipeline.engines.adapters"),
     "coordinator.api.metaserver": ("coordinator.pipeline.topology.trigger",),
 }
 

@@ -131,6 +131,7 @@ _ERROR_TYPES = {
 def _received(request: GenerateRequest, raw: Request) -> dict[str, Any]:
     sp = request.sampling_params
     return {"request_id": raw.headers.get("X-Request-Id", request.request_id), "stream": bool(request.stream),
+            "model": request.model,
             "prompt_tokens": len(request.token_ids),
             "sampling_params": {"max_tokens": sp.max_tokens, "n": sp.n, "min_tokens": sp.min_tokens},
             "kv_transfer_params": request.kv_transfer_params
@@ -190,7 +191,8 @@ class SimServer:
             await asyncio.Event().wait()
 
         cfg = self.config
-        if request.model and request.model != cfg.model:
+        loras = self.engine.loras
+        if request.model and request.model != cfg.model and request.model not in loras.registered:
             raise SimHTTPError(
                 f"The model `{request.model}` does not exist. Valid aliases: {cfg.model}.",
                 "NotFoundError",
@@ -251,6 +253,7 @@ class SimServer:
             kv_transfer_params=kv_params,
             error_after_tokens=call_faults.error_after_tokens if call_faults else None,
             peer_url=str(raw.base_url).rstrip("/"),
+            lora=request.model if request.model in loras.registered else None,
         )
         if request.stream:
             return StreamingResponse(
@@ -296,7 +299,7 @@ class SimServer:
         response = GenerateTokensResponse(
             request_id=req.external_id,
             created=created,
-            model=self.config.model,
+            model=req.lora or self.config.model,
             usage=usage,
             prompt_token_ids=list(req.prompt) if request.return_token_ids else None,
             kv_transfer_params=req.response_kv_transfer_params,
@@ -421,6 +424,10 @@ class SimServer:
 
     def models(self) -> ModelList:
         cfg = self.config
+        adapters = [
+            ModelCard(id=name, root=path, parent=cfg.model, permission=[ModelPermission()])
+            for name, path in self.engine.loras.registered.items()
+        ]
         return ModelList(
             data=[
                 ModelCard(
@@ -428,9 +435,21 @@ class SimServer:
                     max_model_len=cfg.max_model_len,
                     root=cfg.served_root,
                     permission=[ModelPermission()],
-                )
+                ),
+                *adapters,
             ]
         )
+
+    async def load_lora(self, raw: Request) -> Response:
+        body = await raw.json()
+        text = await self.engine.loras.load(
+            str(body.get("lora_name") or ""), str(body.get("lora_path") or ""), bool(body.get("load_inplace"))
+        )
+        return Response(status_code=200, content=text)
+
+    async def unload_lora(self, raw: Request) -> Response:
+        body = await raw.json()
+        return Response(status_code=200, content=self.engine.loras.unload(str(body.get("lora_name") or "")))
 
     def state(self) -> dict[str, Any]:
         eng = self.engine
@@ -444,6 +463,14 @@ class SimServer:
             "generate_calls": self.generate_calls,
             "history": list(self.history),
             "last_ids": self.last_ids,
+            "loras": {
+                "registered": dict(eng.loras.registered),
+                "cached": list(eng.loras.cache),
+                "weight_loads": eng.loras.weight_loads,
+                "load_calls": eng.loras.load_calls,
+                "running": sorted({r.lora for r in eng.running if r.lora}),
+                "deferred": [r.external_id for r in eng.deferred()],
+            },
             "prefix_cache": {
                 "blocks": len(eng.prefix_cache),
                 "capacity_blocks": eng.prefix_cache.capacity_blocks,
@@ -511,6 +538,12 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
         app.add_api_route("/inference/v1/abort_requests", abort_handler, methods=["POST"])
     if cfg.legacy_abort_route:
         app.add_api_route("/abort_requests", abort_handler, methods=["POST"])
+
+    if cfg.enable_lora and cfg.runtime_lora_updating:
+        load_handler: Callable[[Request], Awaitable[Response]] = server.load_lora
+        unload_handler: Callable[[Request], Awaitable[Response]] = server.unload_lora
+        app.add_api_route("/v1/load_lora_adapter", load_handler, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", unload_handler, methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize() -> JSONResponse:

@@ -126,6 +126,20 @@ class SimConfig(BaseModel):
     simulator can release the pinned blocks with `POST /sim/kv_transfer/consume`. Off by default: the
     wire then stays exactly vLLM's."""
 
+    # --- LoRA (vLLM's --enable-lora; lora.py) ---
+    enable_lora: bool = False
+    max_loras: int = Field(default=1, ge=1)
+    """Distinct adapters running at once; requests for others wait ("deferred")."""
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    """Adapters whose weights stay read (LRU); None = max_loras."""
+    max_lora_rank: int = Field(default=16, ge=1)
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    """`--lora-modules name=path`: registered at start (their weights are read on first use)."""
+    runtime_lora_updating: bool = True
+    """`VLLM_ALLOW_RUNTIME_LORA_UPDATING`: serves /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    lora_load_s: float = Field(default=0.0, ge=0.0)
+    """Reading one adapter's weights (a load call, or a request for an adapter evicted from the cache)."""
+
     # --- misc wire details ---
     weight_version: str = "default"
     api_key: str | None = None

@@ -25,6 +25,7 @@ from .config import SimConfig
 from .errors import SimValidationError
 from .kv_transfer import PeerNotifier, TransferPins
 from .layerwise import LayerwiseConnector, callback_body, side_channel
+from .lora import SimLoras
 from .output_model import TokenSource, fake_logprob, make_source
 from .prefix_cache import EventSink, PrefixCache
 from .protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
@@ -78,6 +79,8 @@ class SimRequest:
     error_after_tokens: int | None = None
     peer_url: str | None = None
     """The URL this request reached the server on; advertised as `sim_peer_url` when configured."""
+    lora: str | None = None
+    """The LoRA adapter it runs (its name); None: the base model."""
     internal_id: str = ""
     arrival: float = field(default_factory=time.monotonic)
     status: Literal["new", "waiting", "running", "finished"] = "new"
@@ -130,6 +133,7 @@ class SimEngine:
         self._waiting: list[tuple[int, float, int, SimRequest]] = []
         self._seq = itertools.count()
         self._block_counter = itertools.count()
+        self.loras = SimLoras(config)
 
     # ------------------------------------------------------------------ introspection
 
@@ -249,7 +253,9 @@ class SimEngine:
             for i in range(sp.n)
         ]
         # Prefill: cost of the uncached prompt tail (a NIXL remote prefill leaves only the last token).
-        cached = self.prefix_cache.lookup(req.prompt, req.cache_salt)
+        if req.lora is not None:  # scheduled: the adapter's weights go into a LoRA slot
+            await self.loras.warm(req.lora)
+        cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora)
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
         if self._is_trigger_decode(req):
@@ -270,7 +276,8 @@ class SimEngine:
             req.num_cached_tokens = remote_cached  # OutputProcessor reports the P side's hits
         if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached):
             return
-        self.prefix_cache.insert(req.prompt, req.cache_salt)
+        self.prefix_cache.insert(req.prompt, req.cache_salt,
+                                 (req.lora, self.loras.adapter_id(req.lora)) if req.lora else None)
         self.stats.prompt_tokens += len(req.prompt)
 
         stop_ids, banned = self._stop_sets(sp)
@@ -504,9 +511,24 @@ class SimEngine:
         self._requests[req.internal_id] = req
         self._by_external.setdefault(req.external_id, set()).add(req.internal_id)
 
+    def _fits(self, req: SimRequest) -> bool:
+        """A running slot is free, and a LoRA slot for its adapter (at most ``max_loras`` distinct
+        adapters run at once; vLLM defers the others and schedules past them)."""
+        if len(self._running) >= self.config.max_concurrency:
+            return False
+        if req.lora is None:
+            return True
+        active = {r.lora for r in self._running.values() if r.lora is not None}
+        return req.lora in active or len(active) < self.config.max_loras
+
+    def deferred(self) -> list[SimRequest]:
+        """Waiting requests held back only by the LoRA slots (vLLM's waiting reason "deferred")."""
+        room = len(self._running) < self.config.max_concurrency
+        return [r for r in self.waiting if room and not self._fits(r)]
+
     async def _admit(self, req: SimRequest) -> bool:
         """Wait for a running slot; False if aborted while waiting."""
-        if len(self._running) < self.config.max_concurrency and not self._waiting:
+        if self._fits(req) and not self._waiting:
             self._start(req)
             return True
         loop = asyncio.get_running_loop()
@@ -514,6 +536,7 @@ class SimEngine:
         req.status = "waiting"
         prio = req.priority if self.config.scheduling_policy == "priority" else 0
         heapq.heappush(self._waiting, (prio, req.arrival, next(self._seq), req))
+        self._schedule()  # a slot may be free while only deferred adapter requests wait
         abort_wait = asyncio.ensure_future(req.abort_event.wait())
         waiters: set[asyncio.Future[Any]] = {req._admitted, abort_wait}
         try:
@@ -539,11 +562,24 @@ class SimEngine:
             ids.discard(req.internal_id)
             if not ids:
                 del self._by_external[req.external_id]
-        while self._waiting and len(self._running) < self.config.max_concurrency:
-            nxt = heapq.heappop(self._waiting)[3]
-            if nxt._admitted is not None and not nxt._admitted.done():
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Start waiters in queue order while slots are free, past those whose adapter has no slot."""
+        if not self._waiting or len(self._running) >= self.config.max_concurrency:
+            return
+        kept: list[tuple[int, float, int, SimRequest]] = []
+        for entry in sorted(self._waiting):
+            nxt = entry[3]
+            if nxt._admitted is None or nxt._admitted.done():
+                continue
+            if self._fits(nxt):
                 self._start(nxt)
                 nxt._admitted.set_result(True)
+            else:
+                kept.append(entry)
+        self._waiting = kept
+        heapq.heapify(self._waiting)
 
     def _finish(self, req: SimRequest, disconnected: bool = False) -> None:
         if req.status == "finished":

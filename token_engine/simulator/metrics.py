@@ -7,6 +7,7 @@ per-app registry (no process-global state, so several simulators can share a pro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -71,6 +72,17 @@ class _EngineCollector(Collector):
             "Finished prefills whose KV blocks are still pinned.",
             len(pins),
         )
+        if eng.config.enable_lora:
+            # vLLM sets one gauge per label set to the time of the report; the newest is the state now.
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            running = ",".join(dict.fromkeys(r.lora for r in eng.running if r.lora))
+            waiting = ",".join(dict.fromkeys(r.lora for r in eng.waiting if r.lora))
+            info.add_metric([str(eng.config.max_loras), waiting, running], time.time())
+            yield info
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

@@ -33,10 +33,14 @@ BlockHash = bytes
 EventSink = Callable[[list[KVEvent]], None]
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks (a partial trailing block is never cached)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
+                 lora: str | None = None) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (a partial trailing block is never cached). A LoRA
+    run's blocks are its own (vLLM puts the adapter in every block's extra keys)."""
     hashes: list[BlockHash] = []
     parent = b"" if salt is None else hashlib.sha256(salt.encode("utf-8")).digest()
+    if lora is not None:
+        parent = hashlib.sha256(parent + b"lora:" + lora.encode("utf-8")).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         block = token_ids[start : start + block_size]
         digest = hashlib.sha256(parent)
@@ -92,12 +96,13 @@ class PrefixCache:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
 
-    def lookup(self, token_ids: Sequence[int], salt: str | None = None, *, record: bool = True) -> int:
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None, *, record: bool = True,
+               lora: str | None = None) -> int:
         """Number of leading prompt tokens served from cache; counts a query when `record`."""
         cached = 0
         if self.enabled:
             hit: list[BlockHash] = []
-            for h in block_hashes(token_ids, self.block_size, salt):
+            for h in block_hashes(token_ids, self.block_size, salt, lora):
                 if h not in self._blocks:
                     break
                 hit.append(h)
@@ -111,11 +116,12 @@ class PrefixCache:
             self.stats.hits += cached
         return cached
 
-    def insert(self, token_ids: Sequence[int], salt: str | None = None) -> None:
+    def insert(self, token_ids: Sequence[int], salt: str | None = None,
+               lora: tuple[str, int] | None = None) -> None:
         """Mark the prompt's full blocks cached (most recently used); evict the oldest beyond capacity."""
         if not self.enabled:
             return
-        hashes = block_hashes(token_ids, self.block_size, salt)
+        hashes = block_hashes(token_ids, self.block_size, salt, lora[0] if lora else None)
         # Blocks are chained and parents outlive children, so the new blocks are a suffix.
         first_new = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
         self._touch(hashes)
@@ -128,7 +134,7 @@ class PrefixCache:
         new = set(hashes[first_new:])
         events: list[KVEvent] = [self._removed(h) for h in evicted if h not in new]
         if first_new < len(hashes):
-            events.append(self._stored(hashes, first_new, token_ids, salt))
+            events.append(self._stored(hashes, first_new, token_ids, salt, lora))
         events.extend(self._removed(h) for h in evicted if h in new)
         self.on_events(events)
 
@@ -149,20 +155,27 @@ class PrefixCache:
         return external_hash(h, self.int_event_hashes)
 
     def _stored(
-        self, hashes: list[BlockHash], first: int, token_ids: Sequence[int], salt: str | None
+        self, hashes: list[BlockHash], first: int, token_ids: Sequence[int], salt: str | None,
+        lora: tuple[str, int] | None = None,
     ) -> BlockStored:
         """vLLM's `cache_full_blocks` event: the new run, its parent, its tokens, per-block extra keys
-        (the cache_salt, untagged, on block 0 only; None elsewhere)."""
+        untagged (a LoRA run's adapter name on every block, then the cache_salt on block 0 only; None
+        where a block has neither), and the adapter's name and id."""
         bs = self.block_size
+
+        def keys(i: int) -> tuple[str, ...] | None:
+            found = ((lora[0],) if lora else ()) + ((salt,) if i == 0 and salt else ())
+            return found or None
+
         return BlockStored(
             block_hashes=[self._ext(h) for h in hashes[first:]],
             parent_block_hash=self._ext(hashes[first - 1]) if first > 0 else None,
             token_ids=list(token_ids[first * bs : len(hashes) * bs]),
             block_size=bs,
-            lora_id=None,
+            lora_id=lora[1] if lora else None,
             medium=MEDIUM_GPU,
-            lora_name=None,
-            extra_keys=[(salt,) if i == 0 and salt else None for i in range(first, len(hashes))],
+            lora_name=lora[0] if lora else None,
+            extra_keys=[keys(i) for i in range(first, len(hashes))],
             group_idx=0,
         )
 

@@ -94,6 +94,7 @@ class Grant:
         self.reservation = reservation
         self.waited_s = waited_s
         self._on_release = on_release
+        self._hooks: list[Callable[[], None]] = []
 
     @property
     def released(self) -> bool:
@@ -108,7 +109,14 @@ class Grant:
         if self.reservation.release_engine(engine):
             self._on_release()
 
+    def when_released(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once, when the grant is released (what the caller counted on its engines)."""
+        self._hooks.append(hook)
+
     def release(self) -> None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
         if self.reservation.release():
             self._on_release()
 

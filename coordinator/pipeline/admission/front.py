@@ -13,6 +13,7 @@ from collections.abc import Callable
 from coordinator.pipeline.admission.rate_limits import TenantLimiter
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.context import RequestContext
+from coordinator.pipeline.errors import PipelineError
 
 EarlyRefusal = Callable[[int, str], None]  # (priority, tenant) → raises when the queue is full
 
@@ -24,6 +25,9 @@ class FrontGate:
         self._early_refusal = early_refusal
 
     async def before_render(self, ctx: RequestContext, tenant: Tenant) -> None:
+        if not tenant.may_use(ctx.adapter):
+            raise PipelineError(f"The LoRA adapter `{ctx.adapter}` is not available to this API key",
+                                status=403, type="PermissionDeniedError", param="model")
         if self._limiter is not None:
             ctx.rate_headers = await self._limiter.requests(tenant)
         if self._early_refusal is not None:

@@ -39,11 +39,15 @@ class Tenant:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     concurrent_tokens: int | None = None
+    adapters: frozenset[str] | None = None   # the LoRA adapters it may name; None: every one
 
     @classmethod
     def of(cls, name: str, limits: TenantLimits) -> Tenant:
         return cls(name, limits.weight, limits.requests_per_minute, limits.tokens_per_minute,
-                   limits.concurrent_tokens)
+                   limits.concurrent_tokens, None if limits.adapters is None else frozenset(limits.adapters))
+
+    def may_use(self, adapter: str | None) -> bool:
+        return adapter is None or self.adapters is None or adapter in self.adapters
 
 
 ANONYMOUS = Tenant(DEFAULT)

@@ -56,6 +56,7 @@ def finish(ctx: RequestContext, out: dict[str, Any], responses: list[dict[str, A
         token_names.name_batch(ctx.kind, out, [(p.index, p.n, r) for p, r in zip(ctx.prompts, trimmed,
                                                                                 strict=True)])
     out["id"] = ctx.response_id
+    out["model"] = ctx.public_model
     out["system_fingerprint"] = system_fingerprint(ctx.model)
     _finish_choices(ctx, out, blank)
     if ctx.body.get("return_token_ids"):

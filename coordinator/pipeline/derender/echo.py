@@ -194,8 +194,9 @@ def apply_stream(echo: PromptEcho, plan: PromptPlan, choice: dict[str, Any], *, 
 def echo_chunk(ctx: RequestContext, plan: PromptPlan, index: int, text: str) -> dict[str, Any]:
     """Native's chat echo chunk: the last message's content, right after the role chunks."""
     chunk: dict[str, Any] = {"id": ctx.response_id, "object": "chat.completion.chunk", "created": ctx.created,
-                             "model": ctx.model, "choices": [{"index": index, "delta": {"content": text},
-                                                               "logprobs": None, "finish_reason": None}]}
+                             "model": ctx.public_model,
+                             "choices": [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                          "finish_reason": None}]}
     opts = ctx.body.get("stream_options") or {}
     if ctx.include_usage and opts.get("continuous_usage_stats"):
         chunk["usage"] = {"prompt_tokens": plan.prompt_tokens, "completion_tokens": 0,

@@ -125,7 +125,7 @@ class StreamSession:
         completion = sum(ps.completion_tokens for ps, _ in self._streams)
         return shape_usage_chunk(self.ctx, {
             "id": self.ctx.response_id, "object": self.ctx.object_name, "created": self.ctx.created,
-            "model": self.ctx.model, "choices": [],
+            "model": self.ctx.public_model, "choices": [],
             "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                       "completion_tokens": completion}})
 

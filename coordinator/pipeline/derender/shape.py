@@ -67,7 +67,8 @@ def role_chunk(ctx: RequestContext, plan: PromptPlan, index: int) -> dict[str, A
     messages = ctx.body.get("messages") or [{}]
     role = "assistant" if ctx.body.get("add_generation_prompt", True) else messages[-1].get("role")
     chunk: dict[str, Any] = {
-        "id": ctx.response_id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model,
+        "id": ctx.response_id, "object": "chat.completion.chunk", "created": ctx.created,
+        "model": ctx.public_model,
         "choices": [{"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
                      "finish_reason": None}],
     }

@@ -289,6 +289,8 @@ class PromptStream:
                     apply_stream(self._echo, self.plan, out_choice, first=not st.echoed)
         out["id"] = self.ctx.response_id
         out["created"] = self.ctx.created
+        if self.ctx.adapter is not None:  # derender ran as the base model; the answer names the adapter
+            out["model"] = self.ctx.adapter
         if self._collect or shape_stream_chunk(self.ctx, out, parsers=self._parsers):
             await emit(out)
         # Handed to the writer (or held back as native would): commit.

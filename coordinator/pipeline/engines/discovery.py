@@ -74,6 +74,7 @@ class DnsDiscovery:
                 tokenizer=s.tokenizer,
                 native_api=s.native_api,
                 api_key=s.api_key,
+                max_loras=s.max_loras,
                 kv_events=f"tcp://{host}:{s.kv_events_port}" if s.kv_events_port is not None else None,
                 kv_events_replay=(f"tcp://{host}:{s.kv_events_replay_port}"
                                   if s.kv_events_replay_port is not None else None),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from coordinator.config import EngineRole, PdProtocol
+from coordinator.pipeline.engines.adapters import Residency
 from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.engines.capabilities import NATIVE_API, TOKENIZER, Capability
 from coordinator.pipeline.engines.telemetry import Telemetry
@@ -38,6 +39,7 @@ class Engine:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
+    adapters: Residency = field(default_factory=Residency)  # LoRA adapters it holds (adapters.py)
     # Inputs of ``state`` (set them through the registry, which publishes and announces changes):
     drain_requested: bool = False    # config ``drain: true`` or ``drain(url)``
     removed: bool = False            # gone from config/discovery: dropped once idle
@@ -65,6 +67,7 @@ class Engine:
     def forget_learned(self) -> None:
         """The engine went away: it may come back started with other flags, so ask again then."""
         self.learned_tokenizer = self.learned_native_api = self.abort_route = None
+        self.adapters.forget()
 
     def credentials(self) -> dict[str, str]:
         """The coordinator's ``Authorization`` header for an engine run with ``--api-key`` (never a

@@ -20,6 +20,7 @@ from pydantic import SecretStr
 
 from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
+from coordinator.pipeline.engines.adapters import Residency
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
 from coordinator.pipeline.engines.capabilities import TOKENIZER, probe_native_api, probe_tokenizer
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
@@ -170,7 +171,9 @@ class EngineRegistry:
                                 drain_requested=s.drain, native_api=s.native_api,
                                 max_model_len=s.max_model_len, pd_protocol=s.pd_protocol,
                                 tokenizer=s.tokenizer,
-                                api_key=_secret(s.api_key))
+                                api_key=_secret(s.api_key),
+                                adapters=Residency(self._settings.lora.max_loras, s.max_loras,
+                                                   clock=self._clock))
                 self._by_url[url] = engine
                 self.engines.append(engine)
                 log.info("engine %s added (%s%s)", url, s.role, ", draining" if s.drain else "")
@@ -187,6 +190,7 @@ class EngineRegistry:
             engine.pd_protocol = s.pd_protocol
             engine.tokenizer = s.tokenizer
             engine.api_key = _secret(s.api_key)
+            engine.adapters.configured_capacity = s.max_loras
             engine.removed = False
             if drain_edge:   # a changed `drain:` applies; an unchanged one leaves drain()/undrain() alone
                 engine.drain_requested = s.drain
@@ -387,6 +391,8 @@ class EngineRegistry:
             found = await scrape(self._http, engine.url, _PROBE_TIMEOUT_S)
             if found is not None:
                 engine.telemetry = found
+                if found.max_loras is not None:   # LoRA is on there: ask which adapters it holds
+                    await self._learn_adapters(engine, found.max_loras)
 
         if self._telemetry:
             await asyncio.gather(health(), telemetry())
@@ -414,6 +420,24 @@ class EngineRegistry:
         engine.learned_native_api = native
         log.info("engine %s %s", engine.url, "serves its own OpenAI API (the native route may use it)"
                  if native else "does not serve its own OpenAI API")
+
+    async def _learn_adapters(self, engine: Engine, capacity: int) -> None:
+        """The adapters the engine lists in its ``/v1/models`` (those with a ``parent``) replace what
+        the coordinator believed it holds (adapters.py)."""
+        try:
+            resp = await self._http.get(f"{engine.url}/v1/models", timeout=_PROBE_TIMEOUT_S,
+                                        headers=engine.credentials())
+            cards = resp.json().get("data") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if not isinstance(cards, list) or not self._is_current(engine):
+            return
+        names = [c["id"] for c in cards
+                 if isinstance(c, dict) and c.get("parent") and isinstance(c.get("id"), str)]
+        came, went = engine.adapters.learn(names, capacity)
+        if came or went:
+            log.info("engine %s holds LoRA adapters %s (found %s, gone %s)", engine.url,
+                     sorted(engine.adapters.held), sorted(came), sorted(went))
 
     async def discover_once(self) -> None:
         """One discovery round over every configured Service (no-op without any)."""

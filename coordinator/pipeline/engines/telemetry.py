@@ -24,6 +24,9 @@ class Telemetry:
     kv_usage: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    max_loras: int | None = None                  # --max-loras (vllm:lora_requests_info), when LoRA is on
+    running_adapters: tuple[str, ...] = ()        # adapters in the engine's running batch
+    waiting_adapters: tuple[str, ...] = ()        # adapters whose requests wait (e.g. for a LoRA slot)
 
 
 # Sample name (``_total`` stripped) → Telemetry field. Older vLLM releases used the ``gpu_`` names.
@@ -47,8 +50,14 @@ def parse_metrics(text: str) -> Telemetry:
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    lora: dict[str, str] | None = None
+    lora_at = float("-inf")
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == "vllm:lora_requests_info" and sample.value > lora_at:
+                # One gauge per label set, each set to the time it was last reported: the newest is now.
+                lora, lora_at = sample.labels, sample.value
+                continue
             name = sample.name.removesuffix("_total")
             fld = _SERIES.get(name)
             if fld is None:
@@ -59,7 +68,14 @@ def parse_metrics(text: str) -> Telemetry:
     def count(fld: str) -> int | None:
         return int(sums[fld]) if fld in sums else None
 
+    def names(label: str) -> tuple[str, ...]:
+        return tuple(n for n in (lora or {}).get(label, "").split(",") if n)
+
+    max_lora = (lora or {}).get("max_lora", "")
     return Telemetry(
+        max_loras=int(max_lora) if max_lora.isdigit() else None,
+        running_adapters=names("running_lora_adapters"),
+        waiting_adapters=names("waiting_lora_adapters"),
         waiting=count("waiting"),
         running=count("running"),
         kv_usage=sums["kv_usage"] / counts["kv_usage"] if "kv_usage" in sums else None,

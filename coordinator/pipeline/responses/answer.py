@@ -37,7 +37,7 @@ def max_output_tokens(ctx: RequestContext) -> int:
 def to_response(form: ResponsesForm, chat: dict[str, Any], ctx: RequestContext) -> dict[str, Any]:
     """The chat completion as a Responses response object."""
     choice = (chat.get("choices") or [{}])[0]
-    return envelope(form, response_id=response_id(ctx), model=ctx.model, created=ctx.created,
+    return envelope(form, response_id=response_id(ctx), model=ctx.public_model, created=ctx.created,
                     max_output_tokens=max_output_tokens(ctx), output=output_items(chat, form),
                     status=status_of(choice.get("finish_reason")), usage=usage(chat.get("usage")))
 
@@ -65,7 +65,7 @@ class ResponseEvents:
 
     def _response(self, output: list[dict[str, Any]], status: str,
                   usage_: dict[str, Any] | None) -> dict[str, Any]:
-        return envelope(self._form, response_id=response_id(self._ctx), model=self._ctx.model,
+        return envelope(self._form, response_id=response_id(self._ctx), model=self._ctx.public_model,
                         created=self._ctx.created, max_output_tokens=max_output_tokens(self._ctx),
                         output=output, status=status, usage=usage_)
 

@@ -66,7 +66,8 @@ class BoundedLoadPicker:
                    if self._counts[e.url] + 1 <= cap or e.url in data.continuing]
         if not allowed:
             return self._ties(engines, scores, data)
-        if not data.matched_blocks:
+        if not data.matched_blocks and data.req.lora is None:
+            # (An adapter request's home is the engine holding its adapter: the lora scorer's call.)
             # Nothing cached anywhere: this request founds a new prefix "home" (a system prompt, a
             # tenant) that its followers will stick to. Homes are what get pinned, so spread homes:
             # the engine that founded the fewest recently, not the one with the fewest requests in

@@ -25,11 +25,17 @@ class SchedRequest:
     hashes_counted: bool = False                      # its hashes' source is on /metrics already
     needs: frozenset[Capability] = NO_NEEDS          # only engines that can all of these (capabilities.py)
     scores_prompt: bool = False                       # prompt logprobs: one engine computes the whole prompt
+    lora: str | None = None                           # its LoRA adapter (engines must hold or load it)
 
     @property
     def native_api(self) -> bool:
         """The native route: union engines with their OpenAI API only."""
         return NATIVE_API in self.needs
+
+    @property
+    def hash_seed_name(self) -> str:
+        """What seeds its block hashes: an adapter run's KV is its own (vLLM keys blocks by LoRA name)."""
+        return self.lora or self.model
 
     @property
     def prompt_tokens(self) -> int:

@@ -25,14 +25,14 @@ from coordinator.pipeline.scheduling.placement import hybrid, union
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
-from coordinator.pipeline.scheduling.scorers import SCORERS
+from coordinator.pipeline.scheduling.scorers import SCORERS, LoraScorer
 from coordinator.pipeline.scheduling.types import EngineView, Filter, Picker, Scorer, ScoringInput
 
 log = logging.getLogger(__name__)
 
 PRESETS: dict[str, tuple[list[tuple[str, float]], str]] = {
-    "affinity": ([("prefix", 2.0), ("load", 1.0)], "bounded_load"),
-    "least_load": ([("load", 1.0)], "max_score"),
+    "affinity": ([("prefix", 2.0), ("load", 1.0), ("lora", 3.0)], "bounded_load"),
+    "least_load": ([("load", 1.0), ("lora", 3.0)], "max_score"),
     "round_robin": ([], "round_robin"),
     "random": ([], "random"),
 }
@@ -55,7 +55,9 @@ class Profile:
     picker: Picker
 
 
-def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool]) -> Profile:
+def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool],
+                  replicate_inflight: int = 8) -> Profile:
+    """``replicate_inflight``: the lora scorer's spreading point (``lora.replicate_inflight``)."""
     named: list[tuple[str, float]]
     picker_name: str
     if settings.policy == "custom":
@@ -65,7 +67,8 @@ def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int]
         named, picker_name = PRESETS[settings.policy]
     filters: list[Filter] = [NotTried(), HasRoom(room)]
     filters += [FILTERS[f.name](f) for f in settings.filters]
-    scorers: list[tuple[Scorer, float]] = [(SCORERS[n](), w) for n, w in named if w > 0]
+    scorers: list[tuple[Scorer, float]] = [
+        (LoraScorer(replicate_inflight) if n == "lora" else SCORERS[n](), w) for n, w in named if w > 0]
     picker: Picker
     if picker_name == "bounded_load":
         b = settings.bounded_load
@@ -212,7 +215,7 @@ class Scheduler:
         if req.block_hashes is None:
             source = "coordinator"
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
-                                            chain_seed(req.model, req.cache_salt))
+                                            chain_seed(req.hash_seed_name, req.cache_salt))
         if not req.hashes_counted and self._metrics is not None:
             req.hashes_counted = True
             self._metrics.prefix_hashes.labels(source).inc()

@@ -46,6 +46,34 @@ class KvUsageScorer:
         return [1.0 - min(1.0, e.telemetry.kv_usage or 0.0) for e in engines]
 
 
-SCORERS: dict[str, type[PrefixScorer | LoadScorer | QueueScorer | KvUsageScorer]] = {
-    s.name: s for s in (PrefixScorer, LoadScorer, QueueScorer, KvUsageScorer)
+class LoraScorer:
+    """Residency of the request's LoRA adapter: an engine that holds it (or is loading it) runs it at
+    once; one with a free adapter slot must load it first; a full one must also unload an idle one;
+    a full one with nothing idle would make it wait for a slot. A holder already running
+    ``replicate_inflight`` of the adapter's requests ranks as one with a free slot, so a hot adapter
+    spreads to a second engine when the load scorer prefers it. Neutral (0) for base-model requests."""
+
+    name = "lora"
+
+    def __init__(self, replicate_inflight: int = 8) -> None:
+        self._replicate = replicate_inflight
+
+    def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
+        name = data.req.lora
+        if name is None:
+            return [0.0] * len(engines)
+        out = []
+        for e in engines:
+            a = e.adapters
+            if a.holds(name) or a.is_loading(name):
+                out.append(1.0 if a.running(name) < self._replicate else 0.5)
+            elif a.free_slots > 0:
+                out.append(0.5)
+            else:
+                out.append(0.25 if a.evictable() is not None else 0.0)
+        return out
+
+
+SCORERS: dict[str, type[PrefixScorer | LoadScorer | QueueScorer | KvUsageScorer | LoraScorer]] = {
+    s.name: s for s in (PrefixScorer, LoadScorer, QueueScorer, KvUsageScorer, LoraScorer)
 }

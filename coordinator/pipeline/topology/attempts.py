@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from tenacity import (
@@ -49,9 +49,11 @@ from coordinator.observability.events import event
 from coordinator.observability.metrics import Metrics
 from coordinator.observability.record import note_queue_delay
 from coordinator.pipeline.admission.controller import AdmissionController, Grant, PrefillTokens, no_prefill
+from coordinator.pipeline.engines.adapters import Adapter
 from coordinator.pipeline.engines.capabilities import Capability
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.http_errors import EngineStreamError, EngineUnreachable
+from coordinator.pipeline.engines.lora import AdapterLoader, AdapterLoadFailed
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.errors import (
     EngineBusy,
@@ -77,6 +79,14 @@ def retryable(exc: BaseException) -> bool:
     return isinstance(exc, UpstreamUnavailable) and not isinstance(exc, EngineStreamError)
 
 
+def adapter_gone(exc: BaseException, req: SchedRequest) -> bool:
+    """The engine no longer knows the request's adapter (vLLM's 404 "The model `name` does not
+    exist."): someone unloaded it since the coordinator last looked (another coordinator making room,
+    an operator, an engine restart). Loading it again is worth one more attempt."""
+    return (req.lora is not None and isinstance(exc, UpstreamClientError) and exc.status == 404
+            and f"`{req.lora}`" in exc.message)
+
+
 def reached_engine(exc: BaseException) -> bool:
     """A failure after the engine received the request: it may be the request that broke it. A busy
     answer is not one (the engine answered, and it is alive)."""
@@ -87,12 +97,17 @@ class Attempts:
     """Admission, outcome, death counting, the retry policy and release of engine attempts."""
 
     def __init__(self, registry: EngineRegistry, scheduler: Scheduler, admission: AdmissionController,
-                 resilience: ResilienceSettings, metrics: Metrics | None = None) -> None:
+                 resilience: ResilienceSettings, metrics: Metrics | None = None,
+                 adapters: Callable[[str], Adapter | None] | None = None,
+                 loader: AdapterLoader | None = None) -> None:
+        """``adapters`` names the LoRA adapters (the catalog's); ``loader`` makes engines hold them."""
         self._registry = registry
         self._scheduler = scheduler
         self._admission = admission
         self.resilience = resilience
         self._metrics = metrics
+        self._adapters = adapters
+        self._loader = loader
 
     def capable(self, model: str, needs: frozenset[Capability]) -> bool:
         """Whether some engine of ``model`` can run what ``needs`` names (whatever its state now)."""
@@ -105,7 +120,29 @@ class Attempts:
             grant = await self._admission.admit(req, tracing.placing(self._scheduler.place),
                                                 prefill_tokens=prefill_tokens)
         note_queue_delay(grant.waited_s)  # the request's observation record (runs in its task)
+        if req.lora is not None:
+            try:
+                for engine in grant.placement.engines:  # both legs of a P/D pair run the adapter
+                    await self._hold_adapter(grant, engine, req)
+            except BaseException:
+                self.release(grant)
+                raise
         return grant
+
+    async def _hold_adapter(self, grant: Grant, engine: Engine, req: SchedRequest) -> None:
+        """``engine`` holds the request's adapter (loaded if it must be) and counts it running until
+        the grant is released; a failed load steers a retry elsewhere (``AdapterLoadFailed`` is busy)."""
+        name = req.lora
+        adapter = self._adapters(name) if self._adapters is not None and name is not None else None
+        if adapter is None or self._loader is None:
+            return
+        try:
+            await self._loader.ensure(engine, adapter)
+        except AdapterLoadFailed as exc:
+            self.failed(engine, exc, req)
+            raise
+        engine.adapters.begin(adapter.name)
+        grant.when_released(lambda: engine.adapters.end(adapter.name))
 
     @contextlib.contextmanager
     def outcome(self, engine: Engine, req: SchedRequest, phase: str, ok: str = "ok") -> Iterator[None]:
@@ -129,6 +166,8 @@ class Attempts:
             self._registry.record_success(engine)
         elif isinstance(exc, UpstreamClientError):
             self._registry.record_success(engine)
+            if req.lora is not None and adapter_gone(exc, req):
+                engine.adapters.unloaded(req.lora)   # the next attempt loads it again
         elif isinstance(exc, UpstreamUnavailable | UpstreamTimeout):
             req.exclude.add(engine.url)
             if self._metrics is not None:
@@ -158,12 +197,14 @@ class Attempts:
     def has_other_engine(self, req: SchedRequest) -> bool:
         return self._scheduler.has_other_engine(req)
 
-    def add_prefill(self, grant: Grant, req: SchedRequest) -> Engine:
+    async def add_prefill(self, grant: Grant, req: SchedRequest) -> Engine:
         """A trigger pair's prefill engine, chosen when its decode engine calls back, and its share of
-        the budget (the prompt and one token) held on the grant."""
+        the budget (the prompt and one token) held on the grant; it holds the request's adapter."""
         engine = self._scheduler.place_prefill(req)
         grant.add_engine(engine, req.prompt_tokens + 1)
         grant.placement.prefill = engine
+        if req.lora is not None:
+            await self._hold_adapter(grant, engine, req)
         return engine
 
     def retrying(self, req: SchedRequest) -> AsyncRetrying:
@@ -175,6 +216,8 @@ class Attempts:
                 log.error("request %s is not retried: %d engines died while running it", req.request_id,
                           req.engine_deaths)
                 return False
+            if adapter_gone(exc, req):
+                return True
             return retryable(exc) and self._scheduler.has_other_engine(req)
 
         def count(state: RetryCallState) -> None:

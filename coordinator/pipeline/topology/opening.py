@@ -55,7 +55,7 @@ class AttemptOpener:
                             max_tokens=int(sp["max_tokens"]), n=plan.n, priority=ctx.priority,
                             tenant=ctx.tenant, cache_salt=salt if isinstance(salt, str) else None,
                             block_hashes=hashes, needs=needs_of(sp),
-                            scores_prompt=sp.get("prompt_logprobs") is not None)
+                            scores_prompt=sp.get("prompt_logprobs") is not None, lora=ctx.adapter)
 
     async def open_attempt(self, ctx: RequestContext, generate: GenerateRequest, req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[StreamChunk],

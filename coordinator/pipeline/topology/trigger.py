@@ -265,7 +265,7 @@ class TriggerLegs:
 
         async def run_prefill(callback: dict[str, Any]) -> GenerateResponse:
             try:
-                pre = self._attempts.add_prefill(grant, req)
+                pre = await self._attempts.add_prefill(grant, req)
             except NoHealthyEngine as exc:  # retryable: the next placement takes the hybrid fallback
                 raise UpstreamUnavailable(f"no prefill engine for the trigger callback: {exc}") from exc
             try:
