@@ -4,9 +4,11 @@ know (an adapter renders as its base model; engines run it under its own name)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from coordinator.config import ModelSettings
@@ -41,6 +43,22 @@ def model_cards(e: ModelEntry) -> list[dict[str, Any]]:
                "max_model_len": None} for a in e.adapters.values())]
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _warn_own_tokenizer(adapter: Adapter) -> None:
+    """vLLM 0.32 runs every adapter with the base model's tokenizer (a per-adapter tokenizer is
+    deprecated: ``v1/engine/input_processor.py`` warns and ignores it), and so does render here. An
+    adapter folder that ships its own tokenizer is served the same way, with this warning; the
+    coordinator can only look when the folder is visible to it (engines may see another filesystem)."""
+    with contextlib.suppress(OSError):
+        found = [f for f in _TOKENIZER_FILES if (Path(adapter.path) / f).is_file()]
+        if found:
+            log.warning("adapter %s ships its own tokenizer (%s): it is rendered with the base model %s's "
+                        "tokenizer and chat template, as vLLM runs it", adapter.name, ", ".join(found),
+                        adapter.base)
+
+
 class ModelCatalog:
     """Resolves names (400/404) and learns ``max_model_len``/``root`` from the sidecar and ``vocab_size``
     from the model's files."""
@@ -58,6 +76,8 @@ class ModelCatalog:
         for e in self._entries.values():
             for n in (e.name, *e.aliases, *e.adapters):
                 self._by_name[n] = e
+            for a in e.adapters.values():
+                _warn_own_tokenizer(a)
         self._sidecar = sidecar
         self._synced = False
         self._sync_lock = asyncio.Lock()  # concurrent first requests share one sync
