@@ -9,7 +9,9 @@ what is running is never unloaded; a failed load goes elsewhere, then ends in an
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from coordinator.nnrp.client import NnrpClient
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.support import CoordinatorServer, sse_events, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
@@ -313,3 +316,53 @@ def test_an_adapters_prefix_is_its_own(render_sidecar: Any, coordinator_factory:
         assert httpx.post(f"{coord.url}/v1/chat/completions", json={**body, "model": "support-bot"},
                           timeout=30).status_code == 200
         assert hits() > 0, "the adapter's own blocks were not found"
+
+
+def test_every_door_takes_an_adapter(render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """Messages, Responses and NNRP name the adapter as chat does: the engine runs it, the answer
+    carries its name, NNRP's model list shows it."""
+    key = {"Authorization": "Bearer sk-lora"}
+    with sims(1) as (sim,):
+        coord = start(coordinator_factory, render_sidecar, [sim], server={"api_keys": ["sk-lora"]})
+        messages = httpx.post(f"{coord.url}/v1/messages", headers=key, timeout=30, json={
+            "model": "sql-writer", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
+        assert messages.status_code == 200 and messages.json()["model"] == "sql-writer", messages.text
+        responses = httpx.post(f"{coord.url}/v1/responses", headers=key, timeout=30, json={
+            "model": "sql-writer", "input": "Hi", "max_output_tokens": 8})
+        assert responses.status_code == 200 and responses.json()["model"] == "sql-writer", responses.text
+
+        async def over_nnrp() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            url = coord.url.replace("http://", "ws://") + "/nnrp/v1"
+            async with await NnrpClient.connect(url, api_key="sk-lora") as client:
+                listed = await client.models()
+                op = await client.chat({**chat("sql-writer"), "stream": True})
+                return [e async for e in op], listed
+
+        events, listed = asyncio.run(over_nnrp())
+        assert events[-1]["type"] == "response.completed"
+        assert "sql-writer" in {m["id"] for m in listed["data"]}
+        assert sent_models(sim) == ["sql-writer"] * 3 and loras(sim)["load_calls"] == 1
+
+
+def test_a_hot_adapter_spreads_to_a_second_engine(render_sidecar: Any,
+                                                  coordinator_factory: CoordinatorFactory) -> None:
+    """lora.replicate_inflight 2: while its holder runs two of its streams, the next request for the
+    adapter may go to the other engine (the load scorer prefers the idle one), so it is loaded there
+    too; with the rule off (a huge threshold) every request stays on the holder."""
+    def run(replicate: int) -> list[SimulatedEngine]:
+        with sims(2, max_loras=2, decode_s_per_token=0.02) as engines:
+            coord = start(coordinator_factory, render_sidecar, engines, lora={"replicate_inflight": replicate})
+            assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat("support-bot", max_tokens=2),
+                              timeout=30).status_code == 200
+            threads = [threading.Thread(target=lambda: httpx.post(
+                f"{coord.url}/v1/chat/completions", json=chat("support-bot", max_tokens=60), timeout=60))
+                for _ in range(4)]
+            for t in threads:
+                t.start()
+                time.sleep(0.2)
+            for t in threads:
+                t.join(60)
+            return [s for s in engines if "support-bot" in loras(s)["registered"]]
+
+    assert len(run(replicate=2)) == 2
+    assert len(run(replicate=1000)) == 1

@@ -103,6 +103,11 @@ def test_the_lora_scorer_ranks_holders_then_room_then_evictable_then_full() -> N
     assert scores == [1.0, 0.5, 0.25, 0.0, 0.5]
     base = SchedRequest("r", "m", [1, 2, 3], 4)
     assert LoraScorer()(ScoringInput(base, {}, 16), engines) == [0.0] * 5, "neutral for the base model"
+    # Every holder hot and another engine could load it: the others rank as holders, the holder low.
+    hot_only = [engines[4], engines[1], engines[2], engines[3]]
+    assert LoraScorer(replicate_inflight=3)(ScoringInput(req, {}, 16), hot_only) == [0.25, 1.0, 0.5, 0.0]
+    assert LoraScorer(replicate_inflight=3)(ScoringInput(req, {}, 16), [engines[4], engines[3]]) == [0.5, 0.0], \
+        "nowhere to spread: the hot holder keeps it"
 
 
 def test_an_adapter_is_a_model_of_its_own_in_the_catalog() -> None:

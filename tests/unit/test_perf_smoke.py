@@ -34,6 +34,7 @@ from perf import (
     fairness,
     fleet_admission,
     kv_affinity,
+    lora,
     overload,
     scheduler_latency,
     topologies,
@@ -255,6 +256,18 @@ def test_capacity_quick(out_root: Path, stub_render: str, capsys: pytest.Capture
     assert plain["sidecar_cpu_s_per_1k_tokens"] is None      # a given sidecar: not ours to measure
     assert (out_root / "capacity" / "capacity.png").stat().st_size > 0
     assert (out_root / "capacity" / "last_line.json").exists()
+
+
+def test_lora_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both policies serve every adapter request; each adapter is loaded at least once; the report
+    and plot are written."""
+    lora.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "lora" and result["failed"] == 0
+    runs = {r["policy"]: r for r in json.loads((out_root / "lora" / "result.json").read_text())["runs"]}
+    assert set(runs) == {"affinity", "round_robin"}
+    assert all(r["requests"] == 24 and r["ok"] == 24 and r["loads"] >= 1 for r in runs.values())
+    assert (out_root / "lora" / "lora.png").stat().st_size > 0
 
 
 def test_topologies_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -48,10 +48,14 @@ class KvUsageScorer:
 
 class LoraScorer:
     """Residency of the request's LoRA adapter: an engine that holds it (or is loading it) runs it at
-    once; one with a free adapter slot must load it first; a full one must also unload an idle one;
-    a full one with nothing idle would make it wait for a slot. A holder already running
-    ``replicate_inflight`` of the adapter's requests ranks as one with a free slot, so a hot adapter
-    spreads to a second engine when the load scorer prefers it. Neutral (0) for base-model requests."""
+    once (1); one with a free adapter slot must load it first (0.5); a full one must also unload an
+    idle one (0.25); a full one with nothing idle would make it wait for a slot (0). Neutral (0) for
+    base-model requests.
+
+    Hot adapters spread by one rule: when every engine in the pool that holds the adapter already runs
+    ``replicate_inflight`` of its requests, and another engine could load it, the ranks swap: the
+    engines that could load it score as holders do (free slot 1, idle adapter to unload 0.75) and the
+    holders 0.25, so the next request loads it on a second engine (weight 3 outranks any prefix match)."""
 
     name = "lora"
 
@@ -62,16 +66,15 @@ class LoraScorer:
         name = data.req.lora
         if name is None:
             return [0.0] * len(engines)
-        out = []
-        for e in engines:
-            a = e.adapters
-            if a.holds(name) or a.is_loading(name):
-                out.append(1.0 if a.running(name) < self._replicate else 0.5)
-            elif a.free_slots > 0:
-                out.append(0.5)
-            else:
-                out.append(0.25 if a.evictable() is not None else 0.0)
-        return out
+        holds = [e.adapters.holds(name) or e.adapters.is_loading(name) for e in engines]
+        room = [0.5 if e.adapters.free_slots > 0 else 0.25 if e.adapters.evictable() is not None else 0.0
+                for e in engines]
+        hot = [h and e.adapters.running(name) >= self._replicate for h, e in zip(holds, engines, strict=True)]
+        spread = any(holds) and all(t for h, t in zip(holds, hot, strict=True) if h) and any(
+            r > 0 for h, r in zip(holds, room, strict=True) if not h)
+        if spread:
+            return [0.25 if h else 2 * r for h, r in zip(holds, room, strict=True)]
+        return [(0.5 if t else 1.0) if h else r for h, t, r in zip(holds, hot, room, strict=True)]
 
 
 SCORERS: dict[str, type[PrefixScorer | LoadScorer | QueueScorer | KvUsageScorer | LoraScorer]] = {
