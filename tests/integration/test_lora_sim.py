@@ -56,8 +56,8 @@ def start(factory: CoordinatorFactory, render: Any, fleet: list[SimulatedEngine]
           ) -> CoordinatorServer:
     """A coordinator that probes its engines every 0.2 s (what they hold is learned in each round)."""
     overrides.setdefault("models", models())
-    return factory(str(render.url), [s.url for s in fleet], engine_client={"health_interval_s": 0.2},
-                   **overrides)
+    overrides["engine_client"] = {"health_interval_s": 0.2, **overrides.get("engine_client", {})}
+    return factory(str(render.url), [s.url for s in fleet], **overrides)
 
 
 def released(coord: CoordinatorServer) -> bool:
@@ -366,3 +366,41 @@ def test_a_hot_adapter_spreads_to_a_second_engine(render_sidecar: Any,
 
     assert len(run(replicate=2)) == 2
     assert len(run(replicate=1000)) == 1
+
+
+def test_a_relayed_stream_continues_on_an_engine_that_loads_the_adapter(
+        render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """The engine running an adapter's stream drops it mid-way: the stream continues on the other engine,
+    which loads the adapter first; the client sees one whole stream under the adapter's name."""
+    with sims(2, max_loras=2, mode="context", decode_s_per_token=0.003) as engines:
+        coord = start(coordinator_factory, render_sidecar, engines, engine_client={"stream_idle_timeout_s": 1.0})
+        assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat("support-bot", max_tokens=2),
+                          timeout=30).status_code == 200
+        (holder,) = [s for s in engines if "support-bot" in loras(s)["registered"]]
+        holder.set_faults(calls=1, drop_after_tokens=6)
+        events = sse_events(httpx.post(f"{coord.url}/v1/chat/completions",
+                                       json=chat("support-bot", stream=True, max_tokens=30), timeout=60))
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
+        assert {e["model"] for e in events if isinstance(e, dict)} == {"support-bot"}
+        assert coord.components.metrics.relays._value.get() == 1
+        (other,) = [s for s in engines if s is not holder]
+        assert sent_models(holder) == ["support-bot"] * 2 and sent_models(other) == ["support-bot"]
+        assert "support-bot" in loras(other)["registered"], "the relay target loaded it"
+
+
+def test_both_legs_of_a_trigger_pair_run_the_adapter(render_sidecar: Any,
+                                                     coordinator_factory: CoordinatorFactory) -> None:
+    """Trigger P/D: the prefill engine is chosen at the decode engine's callback; it loads the adapter
+    then, before its leg is sent."""
+    layerwise = {"mode": "context", "kv_connector": "layerwise"}
+    with sims(1, kv_role="prefill", engine_id="tp", **layerwise) as (pre,), \
+            sims(1, kv_role="decode", engine_id="td", **layerwise) as (dec,):
+        coord = start(coordinator_factory, render_sidecar, [],
+                      engines=[{"url": pre.url, "role": "prefill", "pd_protocol": "trigger"},
+                               {"url": dec.url, "role": "decode", "pd_protocol": "trigger"}],
+                      topology={"pd_min_uncached_tokens": 0, "trigger": {"port": 0}})
+        r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat("support-bot"), timeout=30)
+        assert r.status_code == 200 and r.json()["model"] == "support-bot", r.text
+        assert sent_models(pre) == ["support-bot"] and sent_models(dec) == ["support-bot"]
+        assert dec.state()["layerwise"]["callback_statuses"] == [200]
+        assert released(coord)
