@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from coordinator.contracts.permutation import KeyedPermutation
 from coordinator.nnrp.client import NnrpClient
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.support import CoordinatorServer, sse_events, wait_until
@@ -404,3 +405,30 @@ def test_both_legs_of_a_trigger_pair_run_the_adapter(render_sidecar: Any,
         assert sent_models(pre) == ["support-bot"] and sent_models(dec) == ["support-bot"]
         assert dec.state()["layerwise"]["callback_statuses"] == [200]
         assert released(coord)
+
+
+def test_an_adapter_runs_under_token_obfuscation(render_sidecar: Any, model_dir: Path, tmp_path: Path,
+                                                 coordinator_factory: CoordinatorFactory) -> None:
+    """With obfuscation the engine (a key-permuted copy) gets physical ids and the adapter's name; the
+    client gets what the plain engine answers for the same adapter. An adapter of the attention
+    projections needs no permutation (docs/lora.md)."""
+    key = bytes(range(32))
+    (tmp_path / "token.key").write_bytes(key)
+    table = KeyedPermutation(49152, key).physical_table()
+    plain_cfg = SimConfig(model=SERVED, enable_lora=True)
+    permuted_cfg = SimConfig(model=SERVED, enable_lora=True, eos_token_id=table[2],
+                             echo_skip_ids=[table[s] for s in range(17)],
+                             echo_fallback_token_id=table[plain_cfg.echo_fallback_token_id])
+    with SimulatedEngine(plain_cfg) as plain, SimulatedEngine(permuted_cfg) as permuted:
+        off = start(coordinator_factory, render_sidecar, [plain])
+        on = start(coordinator_factory, render_sidecar, [permuted],
+                   models=[{"name": SERVED, "path": str(model_dir), "adapters": ADAPTERS}],
+                   obfuscation={"enabled": True, "key_file": str(tmp_path / "token.key")})
+        body = chat("support-bot", temperature=0)
+        a = httpx.post(f"{off.url}/v1/chat/completions", json=body, timeout=30)
+        b = httpx.post(f"{on.url}/v1/chat/completions", json=body, timeout=30)
+        assert a.status_code == b.status_code == 200, b.text
+        assert b.json()["model"] == "support-bot"
+        assert b.json()["choices"][0]["message"]["content"] == a.json()["choices"][0]["message"]["content"]
+        assert sent_models(permuted) == ["support-bot"]
+        assert permuted.state()["last_ids"]["token_ids"] != plain.state()["last_ids"]["token_ids"]
