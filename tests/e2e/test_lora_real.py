@@ -88,9 +88,9 @@ def answer(url: str, body: dict[str, Any]) -> str:
 def streamed(url: str, body: dict[str, Any]) -> str:
     r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120)
     assert r.status_code == 200, r.text
-    events = [e for e in sse_events(r) if isinstance(e, dict)]
-    assert {e["model"] for e in events} == {body["model"]}
-    return streamed_text(r)
+    events = sse_events(r)
+    assert {e["model"] for e in events if isinstance(e, dict)} == {body["model"]}
+    return streamed_text(events)[0]
 
 
 def registered(engine: Any) -> set[str]:

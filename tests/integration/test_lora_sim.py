@@ -184,13 +184,18 @@ def test_a_failed_load_goes_to_another_engine_then_names_the_adapter(
 def test_an_adapter_the_engine_refuses_is_a_400_and_the_engine_lives_on(
         render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
     """A rank above the engine's --max-lora-rank: vLLM's 500 for the load is the adapter's fault, so
-    the client gets a 400 naming it; the base model still answers on the same engine."""
-    wide = [{"name": "too-wide", "path": "sim:rank=64"}]
-    with sims(1, max_lora_rank=16) as (sim,):
+    the client gets a 400 naming it; the full engine's idle adapter was not unloaded for it (loads
+    come before unloads) and the base model still answers on the same engine."""
+    wide = [*ADAPTERS, {"name": "too-wide", "path": "sim:rank=64"}]
+    with sims(1, max_lora_rank=16, max_loras=1) as (sim,):
         coord = start(coordinator_factory, render_sidecar, [sim], models=models(wide))
+        engine = coord.components.registry.engines[0]
+        assert wait_until(lambda: engine.adapters.learned_capacity == 1, timeout=10)
+        assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat("support-bot"), timeout=30).status_code == 200
         r = httpx.post(f"{coord.url}/v1/chat/completions", json=chat("too-wide"), timeout=30)
         assert r.status_code == 400
         assert "too-wide" in r.json()["error"]["message"] and "max_lora_rank" in r.json()["error"]["message"]
+        assert set(loras(sim)["registered"]) == {"support-bot"}, "a failed load unloaded nothing"
         assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat(SERVED), timeout=30).status_code == 200
         assert released(coord)
 

@@ -61,12 +61,13 @@ class Residency:
     def free_slots(self) -> int:
         return max(0, self.capacity - len(self.held) - len(self.loading))
 
-    def evictable(self) -> str | None:
-        """The least recently used adapter that may be unloaded to make room: not pinned, no request
-        of ours running on it, not being loaded. None: nothing may go (the engine is then left over
-        its size rather than a running adapter unloaded)."""
+    def evictable(self, keep: str | None = None) -> str | None:
+        """The least recently used adapter that may be unloaded to make room (for ``keep``): not
+        pinned, no request of ours running on it, not being loaded. None: nothing may go (the engine
+        is then left over its size rather than a running adapter unloaded)."""
         idle = [(used, name) for name, used in self.held.items()
-                if name not in self.pinned and not self.inflight.get(name) and name not in self.loading]
+                if name != keep and name not in self.pinned and not self.inflight.get(name)
+                and name not in self.loading]
         return min(idle)[1] if idle else None
 
     def can_take(self, name: str) -> bool:

@@ -107,12 +107,15 @@ class AdapterLoader:
         key = (engine.url, adapter.name)
 
         async def run() -> None:
+            # Load first, then make room: a load that fails (a bad adapter, a busy engine) must not
+            # have cost the engine an adapter (vLLM's unload only forgets a name, so holding one more
+            # for a moment costs nothing).
             try:
-                await self._make_room(engine, adapter.name)
                 await self.load(engine, adapter)
             finally:
                 engine.adapters.loading.pop(adapter.name, None)
                 self._tasks.pop(key, None)
+            await self._make_room(engine, adapter.name)
 
         task = asyncio.create_task(run(), name=f"lora-load {adapter.name}")
         engine.adapters.loading[adapter.name] = self._tasks[key] = task  # before it runs: one load per key
@@ -120,17 +123,23 @@ class AdapterLoader:
         return task
 
     async def _make_room(self, engine: Engine, name: str) -> None:
-        """Unload the least recently used idle adapter when ``engine`` is full (never a pinned one, one
-        with requests running or one being loaded); when none may go, the engine is left over its size
-        (vLLM then defers requests beyond ``--max-loras`` in its own queue)."""
+        """Unload least recently used idle adapters while ``engine`` holds more than it may (never
+        ``name``, just loaded, a pinned one, one with requests running or one being loaded); when none
+        may go, the engine is left over its size (vLLM then defers requests beyond ``--max-loras`` in
+        its own queue). An unload that fails is logged and left: the next load tries again."""
         res = engine.adapters
         while len(res.held) + len(res.loading) > res.capacity:
-            victim = res.evictable()
+            victim = res.evictable(keep=name)
             if victim is None:
                 log.info("engine %s holds %d adapters (room for %d) and none is idle: loading %s beyond it",
                          engine.url, len(res.held), res.capacity, name)
                 return
-            await self.unload(engine, victim)
+            try:
+                await self.unload(engine, victim)
+            except AdapterLoadFailed as exc:
+                log.warning("engine %s: could not unload idle adapter %s: %s", engine.url, victim,
+                            exc.message)
+                return
             if self._metrics is not None:
                 self._metrics.lora_evictions.labels(engine.url).inc()
             log.info("engine %s: unloaded idle adapter %s to load %s", engine.url, victim, name)
