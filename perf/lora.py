@@ -98,15 +98,17 @@ def body(adapter: int, i: int, prefix_tokens: int, tail_tokens: int, max_tokens:
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
-def oracle_hit_rate(sequence: list[int], prefix_tokens: int, tail_tokens: int) -> float:
-    """Every request after its adapter's first finds the adapter's whole shared prefix (full blocks)."""
-    seen: set[int] = set()
+def oracle_hit_rate(sequence: list[int], prefix_tokens: int, tail_tokens: int, warmup: int = 0) -> float:
+    """Every request after its adapter's first finds the adapter's whole shared prefix (full blocks);
+    counted over the requests after the first ``warmup`` (which still make adapters seen)."""
+    seen: set[int] = set(sequence[:warmup])
     hits = 0
-    for a in sequence:
+    measured = sequence[warmup:]
+    for a in measured:
         if a in seen:
             hits += prefix_tokens // BLOCK * BLOCK
         seen.add(a)
-    return hits / (len(sequence) * (prefix_tokens + tail_tokens))
+    return hits / (max(1, len(measured)) * (prefix_tokens + tail_tokens))
 
 
 async def one(client: httpx.AsyncClient, url: str, payload: dict[str, Any], out: list[Outcome]) -> None:
@@ -173,22 +175,34 @@ def run_policy(policy: str, args: argparse.Namespace, render_url: str, sequence:
                say: Progress, out_dir: Path) -> Run:
     bodies = [body(a, i, args.prefix_tokens, args.tail_tokens, args.max_tokens)
               for i, a in enumerate(sequence)]
+    warm, measured = bodies[:args.warmup], bodies[args.warmup:]
     with ExitStack() as stack:
         urls, _ = stack.enter_context(sim_engines(engine_configs(args.engines, args)))
         config = coordinator_config(policy, render_url, urls, args.adapters)
         log_path = out_dir / f"coordinator-{policy}.log"
         coord = stack.enter_context(CoordinatorProcess(config, log_path=log_path))
-        say(f"{policy}: {len(bodies)} requests at {args.rate}/s over {args.engines} engines")
-        outcomes, seconds = asyncio.run(drive(coord.url, bodies, args.rate, args.seed))
-        text = httpx.get(f"{coord.url}/metrics", timeout=30).text
-        loads = metric_sum(text, "coordinator_lora_loads", result="loaded")
-        run = Run(policy, seconds, outcomes, loads=loads)
-        for u in urls:
-            state = httpx.get(f"{u}/sim/state", timeout=30).json()
-            run.engine_weight_reads += int(state["loras"]["weight_loads"])
-            run.hits += float(state["prefix_cache"]["hits"])
-            run.queries += float(state["prefix_cache"]["queries"])
-    return run
+        say(f"{policy}: {len(warm)} warm-up requests, then {len(measured)} measured, at {args.rate}/s "
+            f"over {args.engines} engines")
+        asyncio.run(drive(coord.url, warm, args.rate, args.seed + 1))
+        before = counts(coord.url, urls)
+        outcomes, seconds = asyncio.run(drive(coord.url, measured, args.rate, args.seed))
+        after = counts(coord.url, urls)
+        delta = {k: after[k] - before[k] for k in after}
+        return Run(policy, seconds, outcomes, loads=delta["loads"], engine_weight_reads=int(delta["reads"]),
+                   hits=delta["hits"], queries=delta["queries"])
+
+
+def counts(coord_url: str, urls: list[str]) -> dict[str, float]:
+    """Loads the coordinator asked for; the engines' own weight reads and prefix-cache tokens."""
+    text = httpx.get(f"{coord_url}/metrics", timeout=30).text
+    out = {"loads": metric_sum(text, "coordinator_lora_loads", result="loaded"), "reads": 0.0, "hits": 0.0,
+           "queries": 0.0}
+    for u in urls:
+        state = httpx.get(f"{u}/sim/state", timeout=30).json()
+        out["reads"] += float(state["loras"]["weight_loads"])
+        out["hits"] += float(state["prefix_cache"]["hits"])
+        out["queries"] += float(state["prefix_cache"]["queries"])
+    return out
 
 
 def plot(runs: dict[str, Run], path: Path) -> None:
@@ -201,17 +215,20 @@ def plot(runs: dict[str, Run], path: Path) -> None:
     for policy, run in runs.items():
         ttft = sorted(o.ttft_s * 1000 for o in run.outcomes if o.ttft_s is not None)
         if ttft:
-            a.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=policy)
+            a.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=policy,
+                   color={"affinity": "tab:blue", "round_robin": "tab:orange"}.get(policy))
     a.set_xscale("log")
     a.set_xlabel("TTFT (ms, log)")
     a.set_ylabel("fraction of requests")
     a.set_title("TTFT CDF")
     a.legend()
-    names = list(runs)
-    n = {p: max(1, len(r.outcomes)) for p, r in runs.items()}
-    b.bar([f"{p}\nloads" for p in names], [1000 * runs[p].loads / n[p] for p in names], color="tab:blue")
-    b.bar([f"{p}\nweight reads" for p in names], [1000 * runs[p].engine_weight_reads / n[p] for p in names],
-          color="tab:orange")
+    colors = {"affinity": "tab:blue", "round_robin": "tab:orange"}
+    for k, (policy, run) in enumerate(runs.items()):
+        n = max(1, len(run.outcomes))
+        b.bar([2 * k, 2 * k + 0.8], [1000 * run.loads / n, 1000 * run.engine_weight_reads / n], width=0.7,
+              color=colors.get(policy, "tab:gray"))
+    b.set_xticks([x for k in range(len(runs)) for x in (2 * k, 2 * k + 0.8)],
+                 [f"{p}\n{what}" for p in runs for what in ("loads", "weight reads")], fontsize=8)
     b.set_ylabel("per 1,000 requests")
     b.set_title("adapter loads")
     save_figure(fig, path)
@@ -242,9 +259,10 @@ def markdown(args: argparse.Namespace, summaries: dict[str, dict[str, Any]], hea
         f"{s['prefix_hit_rate']} | {s['oracle_hit_rate']} |" for s in summaries.values())
     return f"""# LoRA routing: residency-aware vs round robin
 
-{args.engines} simulated engines (max_loras {args.max_loras}, {args.load_ms:g} ms per load), {args.adapters}
-adapters drawn by Zipf({args.zipf}), {args.rate} requests/s for {args.duration:g} s, prompts of
-{args.prefix_tokens} shared + {args.tail_tokens} own tokens, {args.max_tokens} output tokens.
+{args.engines} simulated engines (max_loras {args.max_loras}, {args.load_ms:g} ms per load, the engine stalled
+meanwhile), {args.adapters} adapters drawn by Zipf({args.zipf}), {args.rate} requests/s: {args.warmup} warm-up
+requests, then {args.duration:g} s measured; prompts of {args.prefix_tokens} shared + {args.tail_tokens} own
+tokens, {args.max_tokens} output tokens.
 
 {HEADER}
 {rows}
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--adapters", type=int, default=50)
-    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--max-loras", type=int, default=8)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--rate", type=float, default=25.0, help="requests per second (Poisson)")
     ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per policy")
@@ -272,16 +290,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tail-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=250, help="requests sent first and not measured")
     ap.add_argument("--render-url", help="a running render sidecar instead of starting one")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 engines, 6 adapters, 3 s")
     args = ap.parse_args(argv)
     if args.quick:
-        args.engines, args.adapters, args.duration, args.rate, args.max_loras = 2, 6, 3.0, 8.0, 2
+        args.engines, args.adapters, args.duration, args.rate = 2, 6, 3.0, 8.0
+        args.max_loras, args.warmup = 2, 8
     say = Progress(NAME)
     out_dir = _report.OUT_ROOT / NAME
     out_dir.mkdir(parents=True, exist_ok=True)
-    sequence = zipf_sequence(int(args.rate * args.duration), args.adapters, args.zipf, args.seed)
-    oracle = oracle_hit_rate(sequence, args.prefix_tokens, args.tail_tokens)
+    total = args.warmup + int(args.rate * args.duration)
+    sequence = zipf_sequence(total, args.adapters, args.zipf, args.seed)
+    oracle = oracle_hit_rate(sequence, args.prefix_tokens, args.tail_tokens, args.warmup)
     runs: dict[str, Run] = {}
     with ExitStack() as stack:
         render_url = args.render_url

@@ -613,6 +613,9 @@ class SimEngine:
         waiter = asyncio.ensure_future(req.abort_event.wait())
         try:
             await asyncio.wait({waiter}, timeout=delay)
+            # The engine loop was reading an adapter meanwhile (lora.py): this step waits for it too.
+            while not req.abort_event.is_set() and (stall := self.loras.stalled_until - time.monotonic()) > 0:
+                await asyncio.wait({waiter}, timeout=stall)
         finally:
             waiter.cancel()
         return req.abort_event.is_set()

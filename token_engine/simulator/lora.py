@@ -6,6 +6,9 @@ registered names (``--lora-modules`` and ``/v1/load_lora_adapter``) with vLLM's 
 such as a rank above ``--max-lora-rank``); ``/v1/unload_lora_adapter`` forgets the name only; the
 weights live in an LRU cache of ``max_cpu_loras`` (a request for an evicted adapter reads them again,
 ``lora_load_s``); at most ``max_loras`` distinct adapters run at once, the others wait ("deferred").
+vLLM reads an adapter inside its engine loop (``add_lora`` runs between steps; a batch that needs an
+adapter its cache lacks reads it in ``execute_model``), so reads happen one at a time and every running
+request stalls meanwhile (``stalled_until``, which the engine's sleeps honour).
 
 Paths: ``sim:<anything>`` is an adapter of rank 8 (``sim:rank=N`` of rank N) with no files; any other
 path must be a folder with an ``adapter_config.json`` (its ``r`` is the rank), as vLLM reads it.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -45,6 +49,8 @@ class SimLoras:
         self.load_calls = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._ids: dict[str, int] = {}
+        self._engine_loop = asyncio.Lock()   # one read at a time, as vLLM's engine loop does them
+        self.stalled_until = 0.0             # time.monotonic() until which the engine loop is reading
 
     def adapter_id(self, name: str) -> int:
         """vLLM's ``lora_int_id``: a counter, one per name (a reload keeps it)."""
@@ -62,7 +68,9 @@ class SimLoras:
                 self.cache.move_to_end(name)
                 return
             if self.config.lora_load_s > 0:
-                await asyncio.sleep(self.config.lora_load_s)
+                async with self._engine_loop:
+                    self.stalled_until = time.monotonic() + self.config.lora_load_s
+                    await asyncio.sleep(self.config.lora_load_s)
             self.weight_loads += 1
             self.cache[name] = None
             while len(self.cache) > self.cache_size:

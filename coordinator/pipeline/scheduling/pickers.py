@@ -44,7 +44,9 @@ class BoundedLoadPicker:
     engine that is within its share free to win on prefix. A request that *continues* its own chain
     on an engine (its match ends at a leaf: the next turn of a conversation) keeps that engine even
     over the cap: moving it costs a whole re-prefill, while moving a new conversation that only shares
-    a system prompt costs that prompt once per engine."""
+    a system prompt costs that prompt once per engine. So does a LoRA request on an engine holding its
+    adapter: moving it costs a load that stalls the other engine (the lora scorer spreads hot adapters
+    by its own rule)."""
 
     name = "bounded_load"
 
@@ -62,8 +64,10 @@ class BoundedLoadPicker:
         # Shares within this pool only (another model's or role's engines have their own).
         fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
         cap = max(self._factor * fair, fair + self._slack)
+        lora = data.req.lora
         allowed = [i for i, e in enumerate(engines)
-                   if self._counts[e.url] + 1 <= cap or e.url in data.continuing]
+                   if self._counts[e.url] + 1 <= cap or e.url in data.continuing
+                   or (lora is not None and e.adapters.holds(lora))]
         if not allowed:
             return self._ties(engines, scores, data)
         if not data.matched_blocks and data.req.lora is None:
