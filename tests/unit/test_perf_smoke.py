@@ -259,14 +259,15 @@ def test_capacity_quick(out_root: Path, stub_render: str, capsys: pytest.Capture
 
 
 def test_lora_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Both policies serve every adapter request; each adapter is loaded at least once; the report
-    and plot are written."""
+    """Both policies serve every adapter request; round robin loads adapters in the measured window; the
+    report and plot are written."""
     lora.main(["--quick", "--render-url", stub_render])
     result = last_json(capsys.readouterr().out)
     assert result["benchmark"] == "lora" and result["failed"] == 0
     runs = {r["policy"]: r for r in json.loads((out_root / "lora" / "result.json").read_text())["runs"]}
     assert set(runs) == {"affinity", "round_robin"}
-    assert all(r["requests"] == 24 and r["ok"] == 24 and r["loads"] >= 1 for r in runs.values())
+    assert all(r["requests"] == 24 and r["ok"] == 24 for r in runs.values())    # after 8 warm-up requests
+    assert runs["round_robin"]["loads"] >= 1, "6 adapters on 2 engines of 2 slots: round robin loads"
     assert (out_root / "lora" / "lora.png").stat().st_size > 0
 
 
