@@ -7,7 +7,7 @@ An adapter the configuration does not name may be registered here (``model`` + `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -65,8 +65,17 @@ def build_lora_router(registry: EngineRegistry, catalog: ModelCatalog, loader: A
             raise ModelNotFound(f"The LoRA adapter `{name}` is not served here", param="adapter")
         return adapter
 
-    def state(engine: Engine) -> Response:
-        return JSONResponse({"engine": engine.url, **residency(engine)})
+    def operation(path: str, op: Callable[[AdapterCall, Engine], Awaitable[None]]) -> None:
+        """``POST /admin/adapters{path}``: the body checked, ``op`` run, the engine's residency answered."""
+        async def handler(request: Request) -> Response:
+            try:
+                body, engine = await call(request)
+                await op(body, engine)
+            except PipelineError as exc:
+                return error_response(exc)
+            return JSONResponse({"engine": engine.url, **residency(engine)})
+
+        router.add_api_route(path, handler, methods=["POST"])
 
     @router.get("")
     async def listing(request: Request) -> Response:
@@ -81,67 +90,44 @@ def build_lora_router(registry: EngineRegistry, catalog: ModelCatalog, loader: A
                          for a in catalog.adapters()],
             "engines": {e.url: residency(e) for e in engines}})
 
-    @router.post("/load")
-    async def load(request: Request) -> Response:
+    async def load(body: AdapterCall, engine: Engine) -> None:
+        adapter = catalog.adapter(body.adapter)
+        if adapter is None:
+            if body.model is None or body.path is None:
+                raise ModelNotFound(f"The LoRA adapter `{body.adapter}` is not served here; give `model` "
+                                    "and `path` to register it", param="adapter")
+            why = settings.adapter_path_problem(body.path)
+            if why is not None:
+                raise BadRequest(why, param="path")
+            adapter = catalog.add_adapter(body.model, body.adapter, body.path)
+        elif body.path is not None and body.path != adapter.path:
+            raise BadRequest(f"The LoRA adapter `{adapter.name}` is served from {adapter.path!r}",
+                             param="path")
         try:
-            body, engine = await call(request)
-            adapter = catalog.adapter(body.adapter)
-            if adapter is None:
-                if body.model is None or body.path is None:
-                    raise ModelNotFound(f"The LoRA adapter `{body.adapter}` is not served here; give `model` "
-                                        "and `path` to register it", param="adapter")
-                why = settings.adapter_path_problem(body.path)
-                if why is not None:
-                    raise BadRequest(why, param="path")
-                adapter = catalog.add_adapter(body.model, body.adapter, body.path)
-            elif body.path is not None and body.path != adapter.path:
-                raise BadRequest(f"The LoRA adapter `{adapter.name}` is served from {adapter.path!r}",
-                                 param="path")
-            try:
-                await loader.load(engine, adapter)
-            except AdapterLoadFailed as exc:
-                status = exc.engine_status if exc.refused and exc.engine_status in (400, 404) else exc.status
-                raise PipelineError(exc.message, status=status, type=exc.type, param="adapter") from None
-        except PipelineError as exc:
-            return error_response(exc)
-        return state(engine)
+            await loader.load(engine, adapter)
+        except AdapterLoadFailed as exc:
+            status = exc.engine_status if exc.refused and exc.engine_status in (400, 404) else exc.status
+            raise PipelineError(exc.message, status=status, type=exc.type, param="adapter") from None
 
-    @router.post("/unload")
-    async def unload(request: Request) -> Response:
-        try:
-            body, engine = await call(request)
-            adapter = known(body.adapter)
-            running = engine.adapters.running(adapter.name)
-            if running:
-                raise PipelineError(f"{engine.url} is running {running} requests for `{adapter.name}`; "
-                                    "unload it once they end", status=409,
-                                    type="ConflictError", param="adapter")
-            engine.adapters.pinned.discard(adapter.name)
-            await loader.unload(engine, adapter.name)
-        except PipelineError as exc:
-            return error_response(exc)
-        return state(engine)
+    async def unload(body: AdapterCall, engine: Engine) -> None:
+        adapter = known(body.adapter)
+        running = engine.adapters.running(adapter.name)
+        if running:
+            raise PipelineError(f"{engine.url} is running {running} requests for `{adapter.name}`; unload it "
+                                "once they end", status=409, type="ConflictError", param="adapter")
+        engine.adapters.pinned.discard(adapter.name)
+        await loader.unload(engine, adapter.name)
 
-    @router.post("/pin")
-    async def pin(request: Request) -> Response:
+    async def pin(body: AdapterCall, engine: Engine) -> None:
         """Keep the adapter loaded on the engine (loaded now if it is not), never unloaded for room."""
-        try:
-            body, engine = await call(request)
-            adapter = known(body.adapter)
-            engine.adapters.pinned.add(adapter.name)
-            if not engine.adapters.holds(adapter.name):
-                await loader.ensure(engine, adapter)
-        except PipelineError as exc:
-            return error_response(exc)
-        return state(engine)
+        adapter = known(body.adapter)
+        engine.adapters.pinned.add(adapter.name)
+        if not engine.adapters.holds(adapter.name):
+            await loader.ensure(engine, adapter)
 
-    @router.post("/unpin")
-    async def unpin(request: Request) -> Response:
-        try:
-            body, engine = await call(request)
-            engine.adapters.pinned.discard(known(body.adapter).name)
-        except PipelineError as exc:
-            return error_response(exc)
-        return state(engine)
+    async def unpin(body: AdapterCall, engine: Engine) -> None:
+        engine.adapters.pinned.discard(known(body.adapter).name)
 
+    for path, op in (("/load", load), ("/unload", unload), ("/pin", pin), ("/unpin", unpin)):
+        operation(path, op)
     return router

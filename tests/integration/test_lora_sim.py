@@ -232,8 +232,9 @@ def test_the_engines_own_list_is_learned(render_sidecar: Any, coordinator_factor
 
 
 def test_pins_admin_and_tenants(render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
-    """A configured pin is loaded at start-up and never unloaded for room; /admin lists residency and
-    unloads; a tenant limited to some adapters gets a 403 for another, and no admin route."""
+    """A configured pin is loaded at start-up and never unloaded for room; /admin lists residency,
+    unloads, pins (loading) and unpins; a tenant limited to some adapters gets a 403 for another, and
+    no admin route."""
     with sims(1, max_loras=1) as (sim,):
         pinned = [{**ADAPTERS[0], "engines": [sim.url]}, ADAPTERS[1]]
         coord = start(
@@ -260,6 +261,15 @@ def test_pins_admin_and_tenants(render_sidecar: Any, coordinator_factory: Coordi
                               json={"adapter": "sql-writer", "engine": sim.url})
         assert unloaded.status_code == 200 and unloaded.json()["held"] == ["support-bot"]
         assert set(loras(sim)["registered"]) == {"support-bot"}
+        pinned_now = httpx.post(f"{coord.url}/admin/adapters/pin", headers=ops,
+                                json={"adapter": "sql-writer", "engine": sim.url})
+        assert pinned_now.status_code == 200 and pinned_now.json()["pinned"] == ["sql-writer", "support-bot"]
+        assert set(loras(sim)["registered"]) == {"support-bot", "sql-writer"}, "pinning loads it"
+        unpinned = httpx.post(f"{coord.url}/admin/adapters/unpin", headers=ops,
+                              json={"adapter": "sql-writer", "engine": sim.url})
+        assert unpinned.json()["pinned"] == ["support-bot"]
+        unknown = httpx.post(f"{coord.url}/admin/adapters/pin", headers=ops, json={"adapter": "x", "engine": sim.url})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "adapter"
 
 
 def test_admin_loads_refuse_paths_outside_the_allowed_roots(
