@@ -62,6 +62,8 @@ from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.translate import in_responses_terms
 
 log = logging.getLogger(__name__)
+ModelLister = Callable[[Callable[[str], bool]], Mapping[str, Any]]
+"""The model list for a session (its tenant may be held to some adapters: ``Tenant.may_use``)."""
 Gone = Callable[[], Awaitable[None]]
 _RECENT = 1024  # finished operation ids remembered, so a late credit or cancel is not an error
 _FLUSH_S = 2.0  # longest wait for the last frames when a session ends
@@ -168,7 +170,7 @@ class Session:
     def __init__(self, transport: Transport, runner: Runner, settings: NnrpSettings, manifest: Manifest,
                  auth: Callable[[str | None], Tenant], *, authorization: str | None = None,
                  session_id: str | None = None, observer: Observer | None = None,
-                 connection_id: str | None = None, models: Callable[[], Mapping[str, Any]] | None = None,
+                 connection_id: str | None = None, models: ModelLister | None = None,
                  responses: ResponsesForms | None = None) -> None:
         for name, means in ((MODELS_LIST, models), (RESPONSES_CREATE, responses)):
             if manifest.operation(name) is not None and means is None:
@@ -441,7 +443,7 @@ class Session:
             # A declared operation has its means (checked in __init__); parse_envelope refused the rest.
             if operation == MODELS_LIST:
                 assert self._models is not None
-                await self._whole(op, map_models(self._models()))
+                await self._whole(op, map_models(self._models(self.tenant.may_use)))
                 return
             body = op.envelope.body
             form: ResponsesForm | None = None

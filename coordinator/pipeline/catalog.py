@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,11 @@ class ModelCatalog:
     def entries(self) -> list[ModelEntry]:
         return list(self._entries.values())
 
-    def model_list(self) -> dict[str, Any]:
-        """OpenAI's model list (``GET /v1/models``): every entry's cards, in configuration order."""
-        return {"object": "list", "data": [card for e in self.entries() for card in model_cards(e)]}
+    def model_list(self, may_use: Callable[[str], bool] = lambda adapter: True) -> dict[str, Any]:
+        """OpenAI's model list (``GET /v1/models``): every entry's cards, in configuration order; an
+        adapter only when ``may_use`` it (the caller's tenant may be held to some adapters)."""
+        return {"object": "list", "data": [card for e in self.entries() for card in model_cards(e)
+                                           if card["id"] not in e.adapters or may_use(card["id"])]}
 
     def get(self, name: str) -> ModelEntry | None:
         """The entry a name, alias or adapter points at, or None."""

@@ -233,8 +233,8 @@ def test_the_engines_own_list_is_learned(render_sidecar: Any, coordinator_factor
 
 def test_pins_admin_and_tenants(render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
     """A configured pin is loaded at start-up and never unloaded for room; /admin lists residency,
-    unloads, pins (loading) and unpins; a tenant limited to some adapters gets a 403 for another, and
-    no admin route."""
+    unloads, pins (loading) and unpins; a tenant limited to some adapters gets a 403 for another, does
+    not see it in /v1/models, and has no admin route."""
     with sims(1, max_loras=1) as (sim,):
         pinned = [{**ADAPTERS[0], "engines": [sim.url]}, ADAPTERS[1]]
         coord = start(
@@ -252,6 +252,10 @@ def test_pins_admin_and_tenants(render_sidecar: Any, coordinator_factory: Coordi
         assert httpx.post(f"{coord.url}/v1/chat/completions", json=chat("sql-writer"), timeout=30,
                           headers=sql).status_code == 200
         assert httpx.get(f"{coord.url}/admin/adapters", headers=sql).status_code == 403
+        seen = {m["id"] for m in httpx.get(f"{coord.url}/v1/models", headers=sql).json()["data"]}
+        assert "sql-writer" in seen and SERVED in seen and "support-bot" not in seen, seen
+        assert httpx.get(f"{coord.url}/v1/models/support-bot", headers=sql).status_code == 404
+        assert httpx.get(f"{coord.url}/v1/models/support-bot", headers=ops).status_code == 200
 
         listing = httpx.get(f"{coord.url}/admin/adapters", headers=ops).json()
         assert {a["name"]: a["engines"] for a in listing["adapters"]} == {"support-bot": [sim.url],

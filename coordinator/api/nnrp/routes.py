@@ -67,7 +67,7 @@ class WebSocketTransport:
 def build_nnrp_router(runner: Runner, auth: ApiKeyCheck, settings: Settings,
                       observer: Observer | None = None, drain: Drain | None = None,
                       parsers: Callable[[], bool] | None = None,
-                      models: Callable[[], Mapping[str, Any]] | None = None,
+                      models: Callable[[Callable[[str], bool]], Mapping[str, Any]] | None = None,
                       responses: ResponsesForms | None = None) -> APIRouter:
     """``observer``: where each operation's observation record goes (the pipeline's); ``drain``: the
     server's shutdown state, which ends sessions with 1001 once their operations are done;

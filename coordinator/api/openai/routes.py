@@ -13,7 +13,7 @@ from coordinator.config import Settings
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.catalog import model_cards
 from coordinator.pipeline.context import Kind
-from coordinator.pipeline.errors import PipelineError
+from coordinator.pipeline.errors import ModelNotFound, PipelineError
 from coordinator.pipeline.service import OPERATIONS, Pipeline
 
 
@@ -40,16 +40,18 @@ def build_router(pipeline: Pipeline, auth: ApiKeyCheck, settings: Settings) -> A
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            auth(request.headers.get("authorization"))
+            tenant = auth(request.headers.get("authorization"))
         except PipelineError as exc:
             return error_response(exc)
-        return JSONResponse(pipeline.catalog.model_list())
+        return JSONResponse(pipeline.catalog.model_list(tenant.may_use))
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
         """One model card (the SDK's ``models.retrieve``); aliases answer with their own id."""
         try:
-            auth(request.headers.get("authorization"))
+            tenant = auth(request.headers.get("authorization"))
+            if pipeline.catalog.adapter(model_id) is not None and not tenant.may_use(model_id):
+                raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")
             entry = pipeline.catalog.resolve(model_id)
         except PipelineError as exc:
             return error_response(exc)
