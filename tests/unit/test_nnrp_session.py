@@ -364,7 +364,7 @@ async def start_full(runner: Runner, translator: Translator | None = None,
     cfg = NnrpSettings(**{"idle_timeout_s": 5, "heartbeat_s": 1, "initial_credits": 100, **settings})
     manifest = build_manifest(ServingCapabilities(responses=True, models_list=True))
     session = Session(pipe.server, runner, cfg, manifest, ApiKeyCheck([SecretStr(KEY)]),
-                      models=lambda: MODELS, responses=translator or Translator())
+                      models=lambda may_use: MODELS, responses=translator or Translator())
     task = asyncio.create_task(session.run())
     await handshake(pipe)
     return pipe, task, session
@@ -480,6 +480,6 @@ def test_a_declared_operation_needs_its_means() -> None:
     manifest = build_manifest(ServingCapabilities(responses=True, models_list=True))
     check = ApiKeyCheck([SecretStr(KEY)])
     with pytest.raises(ValueError, match=r"responses\.create"):
-        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, models=lambda: MODELS)
+        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, models=lambda may_use: MODELS)
     with pytest.raises(ValueError, match=r"models\.list"):
         Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, responses=Translator())
