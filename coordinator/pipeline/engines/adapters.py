@@ -70,10 +70,6 @@ class Residency:
                 and name not in self.loading]
         return min(idle)[1] if idle else None
 
-    def can_take(self, name: str) -> bool:
-        """Holds ``name``, or has a free slot, or an idle adapter to unload for it."""
-        return self.holds(name) or self.free_slots > 0 or self.evictable() is not None
-
     def touch(self, name: str) -> None:
         self.held[name] = self.clock()
 
