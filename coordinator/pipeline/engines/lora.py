@@ -76,7 +76,7 @@ class AdapterLoader:
         self._http = http
         self._settings = settings
         self._metrics = metrics
-        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()   # loads in flight (per engine: Residency.loading)
         self._configured: set[tuple[str, str]] = set()   # (engine, adapter) config pins applied
 
     # -- requests ---------------------------------------------------------------------------------
@@ -88,8 +88,7 @@ class AdapterLoader:
             res.touch(adapter.name)
             self._placed("held")
             return
-        key = (engine.url, adapter.name)
-        task = self._tasks.get(key)
+        task = res.loading.get(adapter.name)
         self._placed("joined" if task is not None else "loaded")
         if task is None:
             task = self._start(engine, adapter)
@@ -103,9 +102,7 @@ class AdapterLoader:
         if self._metrics is not None:
             self._metrics.lora_placements.labels(residency).inc()
 
-    def _start(self, engine: Engine, adapter: Adapter) -> asyncio.Task[None]:
-        key = (engine.url, adapter.name)
-
+    def _start(self, engine: Engine, adapter: Adapter) -> asyncio.Future[None]:
         async def run() -> None:
             # Load first, then make room: a load that fails (a bad adapter, a busy engine) must not
             # have cost the engine an adapter (vLLM's unload only forgets a name, so holding one more
@@ -114,11 +111,12 @@ class AdapterLoader:
                 await self.load(engine, adapter)
             finally:
                 engine.adapters.loading.pop(adapter.name, None)
-                self._tasks.pop(key, None)
             await self._make_room(engine, adapter.name)
 
         task = asyncio.create_task(run(), name=f"lora-load {adapter.name}")
-        engine.adapters.loading[adapter.name] = self._tasks[key] = task  # before it runs: one load per key
+        engine.adapters.loading[adapter.name] = task  # before it runs: one load per adapter and engine
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no "never retrieved" noise
         return task
 
@@ -211,7 +209,7 @@ class AdapterLoader:
                 continue
             for name in engine.adapters.pinned:
                 found = by_name.get(name)
-                if found is None or engine.adapters.holds(name) or (engine.url, name) in self._tasks:
+                if found is None or engine.adapters.holds(name) or engine.adapters.is_loading(name):
                     continue
                 self._start(engine, found)
 
@@ -224,7 +222,7 @@ class AdapterLoader:
                 self._metrics.lora_resident.labels(e.url).set(len(e.adapters.held))
 
     async def aclose(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         for t in tasks:
