@@ -99,7 +99,7 @@ def build_lora_router(registry: EngineRegistry, catalog: ModelCatalog, loader: A
             why = settings.adapter_path_problem(body.path)
             if why is not None:
                 raise BadRequest(why, param="path")
-            adapter = catalog.add_adapter(body.model, body.adapter, body.path)
+            adapter = catalog.new_adapter(body.model, body.adapter, body.path)  # served once it loads
         elif body.path is not None and body.path != adapter.path:
             raise BadRequest(f"The LoRA adapter `{adapter.name}` is served from {adapter.path!r}",
                              param="path")
@@ -108,6 +108,7 @@ def build_lora_router(registry: EngineRegistry, catalog: ModelCatalog, loader: A
         except AdapterLoadFailed as exc:
             status = exc.engine_status if exc.refused and exc.engine_status in (400, 404) else exc.status
             raise PipelineError(exc.message, status=status, type=exc.type, param="adapter") from None
+        catalog.add(adapter)
 
     async def unload(body: AdapterCall, engine: Engine) -> None:
         adapter = known(body.adapter)

@@ -109,11 +109,11 @@ class ModelCatalog:
     def adapters(self) -> list[Adapter]:
         return [a for e in self._entries.values() for a in e.adapters.values()]
 
-    def add_adapter(self, base: str, name: str, path: str) -> Adapter:
-        """An adapter an operator registers at run time (``/admin``): served from now on. Raises
-        ``BadRequest`` when the name is taken or the base model unknown."""
-        entry = self._entries.get(base)
-        if entry is None:
+    def new_adapter(self, base: str, name: str, path: str) -> Adapter:
+        """An adapter an operator may register at run time (``/admin``), not served yet (``add``
+        serves it); the one already served when it is the same. Raises ``BadRequest`` when the name is
+        taken or the base model unknown."""
+        if base not in self._entries:
             raise BadRequest(f"The base model `{base}` is not configured", param="model")
         known = self._by_name.get(name)
         if known is not None:
@@ -121,9 +121,17 @@ class ModelCatalog:
             if existing is not None and existing.base == base and existing.path == path:
                 return existing
             raise BadRequest(f"The name `{name}` is already served", param="name")
-        adapter = entry.adapters[name] = Adapter(name, base, path, (), int(time.time()))
-        self._by_name[name] = entry
-        return adapter
+        return Adapter(name, base, path, (), int(time.time()))
+
+    def add(self, adapter: Adapter) -> Adapter:
+        """Serve ``adapter`` (from ``new_adapter``) from now on."""
+        entry = self._entries[adapter.base]
+        entry.adapters.setdefault(adapter.name, adapter)
+        self._by_name[adapter.name] = entry
+        return entry.adapters[adapter.name]
+
+    def add_adapter(self, base: str, name: str, path: str) -> Adapter:
+        return self.add(self.new_adapter(base, name, path))
 
     def resolve(self, name: Any) -> ModelEntry:
         if not isinstance(name, str):

@@ -291,6 +291,8 @@ def test_admin_loads_refuse_paths_outside_the_allowed_roots(
         missing = httpx.post(f"{coord.url}/admin/adapters/load", json={
             "adapter": "ghost", "engine": sim.url, "model": SERVED, "path": str(root / "ghost")})
         assert missing.status_code == 404 and "ghost" in missing.json()["error"]["message"]
+        assert "ghost" not in {m["id"] for m in httpx.get(f"{coord.url}/v1/models").json()["data"]}, \
+            "an adapter that did not load is not served"
         ok = httpx.post(f"{coord.url}/admin/adapters/load", json={
             "adapter": "extra", "engine": sim.url, "model": SERVED, "path": str(root / "extra")})
         assert ok.status_code == 200 and ok.json()["held"] == ["extra"]
