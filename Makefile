@@ -1,6 +1,7 @@
 # Developer entry points. Everything runs from the project venv (.venv, Python 3.11).
 #   make venv   create/refresh .venv (only when pyproject.toml changed)
 #   make model  build the SmolLM2-135M-Instruct HF folder in .cache/models (idempotent)
+#   make vision-model  build the tiny SmolVLM-style vision model over it (idempotent; docs/multimodal.md)
 #   make run    render sidecar + engine + coordinator on 127.0.0.1 (Ctrl-C stops all)
 #   make test   the test suite (builds .venv-compat for the third-party client tests too, installs redis-server)
 #   make compat the third-party client and OpenAI-spec suite only (tests/compat)
@@ -25,7 +26,7 @@ COMPAT_VENV  := .venv-compat
 COMPAT_REQ   := tests/compat/requirements.txt
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell sha256sum $(COMPAT_REQ) | cut -c1-16)
 
-.PHONY: venv compat-venv test-prereqs model redis run test compat lint bench relay-proof config-doc manifests compat-vllm
+.PHONY: venv compat-venv test-prereqs model vision-model redis run test compat lint bench relay-proof config-doc manifests compat-vllm
 
 venv: $(STAMP)
 
@@ -46,7 +47,7 @@ $(COMPAT_STAMP):
 
 compat-venv: $(COMPAT_STAMP)
 
-test-prereqs: venv compat-venv model lint redis
+test-prereqs: venv compat-venv model vision-model lint redis
 
 # A real redis-server for the fleet budget's tests (Debian's package; the tests start their own on a free
 # port). Needs root or sudo on a machine without it.
@@ -58,6 +59,9 @@ redis:
 
 model: venv
 	$(PY) -m token_engine.model_prep
+
+vision-model: model
+	$(PY) -m token_engine.vision_prep
 
 run: venv model
 	$(PY) deploy/local_stack.py

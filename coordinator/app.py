@@ -41,6 +41,7 @@ from coordinator.pipeline.engines.native import NativeClient
 from coordinator.pipeline.engines.obfuscating import build_engine_client
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
+from coordinator.pipeline.media import MediaPolicy
 from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
@@ -229,7 +230,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                            context_budget=settings.limits.context_budget_mode,
                            engine_lengths=registry.max_model_lens,
                            prefix_block_size=None if prefix.source == "none" else prefix.block_size,
-                           native_route=native),
+                           media=MediaPolicy(settings.media), native_route=native),
         dispatcher=Dispatcher(engines, attempts, settings.topology, board),
         derender=Derender(derenderer, settings.stream.queue_chunks,
                           Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -106,6 +106,31 @@ class LimitsSettings(_Section):
         "context is a 400 (OpenAI's rule); on: it is clamped to what fits (docs/openai-api.md, "
         "\"Context budget\")",
     )
+
+
+MediaScheme = Literal["data", "https", "http"]
+
+
+class MediaSettings(_Section):
+    """Images in chat requests (also Messages and Responses, which arrive as chat): checked before the
+    render sidecar fetches or decodes them (docs/multimodal.md)."""
+
+    max_images: int = Field(default=8, ge=0, description="most images one request may carry (0: no images)")
+    max_image_bytes: int = Field(
+        default=10 * 1024 * 1024, ge=1024,
+        description="largest image a `data:` URL may hold (decoded bytes); http(s) images are held to it by "
+        "render's download")
+    url_schemes: list[MediaScheme] = Field(
+        default_factory=lambda: list(get_args(MediaScheme)),
+        description="URL schemes an image may use; without http(s) render never downloads anything")
+    allow_private_urls: bool = Field(
+        default=False,
+        description="let http(s) image URLs name loopback, private, link-local or reserved addresses "
+        "(off: such a URL is a 400 before render fetches it)")
+    fetch_timeout_s: float = Field(
+        default=3.0, gt=0,
+        description="render's download limit for one image (VLLM_IMAGE_FETCH_TIMEOUT of the sidecars the "
+        "launchers start); keep it below render.timeout_s")
 
 
 class RenderSettings(_Section):
@@ -721,6 +746,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     render: RenderSettings = Field(default_factory=RenderSettings)
+    media: MediaSettings = Field(default_factory=MediaSettings)
     engine_client: EngineClientSettings = Field(default_factory=EngineClientSettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed, prompt_media
 from coordinator.contracts.sidecar import PREFIX_HASH_HEADER, parse_prefix_hash_spec
 
 HEADER = PREFIX_HASH_HEADER.encode()
@@ -38,7 +38,8 @@ def add_hashes(body: bytes, block_size: int, model: str) -> bytes:
         if isinstance(item, dict) and isinstance(item.get("token_ids"), list):
             salt = item.get("cache_salt")
             seed = chain_seed(model, salt if isinstance(salt, str) else None)
-            item["block_hashes"] = block_hashes(item["token_ids"], block_size, seed)
+            media = prompt_media(item.get("features"))
+            item["block_hashes"] = block_hashes(item["token_ids"], block_size, seed, media=media)
     return _encode(doc)
 
 

@@ -19,7 +19,11 @@ changes one thing in it: the FastAPI app vLLM builds gets routes placed before i
   render renders, plus vLLM's response object for it, for the coordinator's ``/v1/responses``
   (``responses.py``);
 
-and the cache's counters on the existing ``/metrics``. Routes rather than a middleware: vLLM's app
+and the cache's counters on the existing ``/metrics``. Image placeholders in render's answers name
+only the positions the image's embeddings fill (``mm_placeholders.py``: vLLM 0.32 drops the mask
+that says which, and its ``/generate`` then kills the engine for many vision models).
+
+Routes rather than a middleware: vLLM's app
 has already built its middleware stack (request metrics, error handling) when we get it, and a route
 runs inside that stack like any of vLLM's.
 
@@ -47,6 +51,7 @@ from coordinator.contracts.sidecar import (
     RESPONSES_CHAT_PATH,
     Capabilities,
 )
+from render_sidecar import mm_placeholders
 from render_sidecar.messages import count_tokens_chat, messages_chat
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
 from render_sidecar.responses import responses_chat
@@ -211,6 +216,9 @@ def install_routes(app: Any, cache: SessionCache | None) -> None:
 
 def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:
     """Wrap ``entry.build_app`` so the app it builds gets our routes and the cache's metrics."""
+    if not mm_placeholders.install():
+        print("render_sidecar: this vLLM's render has no _extract_mm_features; image placeholders are "
+              "sent as vLLM writes them", flush=True)
     cache = None
     if args.session_cache:
         from render_sidecar.stream_cache import check_vllm_shape

@@ -16,16 +16,28 @@ compute hashes without vLLM. KV events carry token ids, so the precise index re-
 this function and both index sources speak one hash space. ``hash()`` of an int tuple is
 deterministic and far cheaper than a digest; a 64-bit collision costs at worst one mis-scored
 routing decision, never a wrong answer.
+
+**Images** (docs/multimodal.md): every image of a prompt has the same placeholder tokens, so token ids
+alone would match a conversation about one photo with one about another. vLLM keys each block by the
+media items in it; here a block's term also covers ``(digest of the item's hash, its offset in the
+block)`` for every item whose placeholder *starts* in that block. The chain carries it into every
+later block, so two prompts share a prefix exactly when vLLM's would (same tokens, same media at the
+same places); and the start is all a KV event tells (vLLM publishes ``[mm_hash, offset]`` per block,
+the offset negative in the blocks an item continues into), so the precise index hashes engine blocks
+the same way at any index block size dividing the engine's.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import accumulate, count
 from operator import add
+from typing import Any
 
 BlockHash = int
+Media = Sequence[tuple[int, int]]
+"""A prompt's media items as ``(placeholder offset in the token ids, media_digest(its hash))``, by offset."""
 
 
 def chain_seed(model: str, cache_salt: str | None = None) -> BlockHash:
@@ -34,17 +46,45 @@ def chain_seed(model: str, cache_salt: str | None = None) -> BlockHash:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big", signed=True)
 
 
-def next_hash(parent: BlockHash, depth: int, block: Sequence[int]) -> BlockHash:
+def media_digest(identifier: str) -> int:
+    """A media item's hash (render's ``mm_hashes``, the engine's identifier) as a stable 64-bit int."""
+    return int.from_bytes(hashlib.blake2b(identifier.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+def next_hash(parent: BlockHash, depth: int, block: Sequence[int], media: Sequence[int] = ()) -> BlockHash:
     """The hash of the block at ``depth`` (0 = the prompt's first) whose parent hashes to ``parent``
-    (the seed for the first block)."""
-    return parent + hash((depth, *block))
+    (the seed for the first block); ``media``: ``digest, offset in the block`` of each item starting
+    in it, flat."""
+    return parent + hash((depth, *block, *media))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, seed: BlockHash,
-                 start: int = 0) -> list[BlockHash]:
+                 start: int = 0, media: Media = ()) -> list[BlockHash]:
     """Hashes of the full blocks only (engines never cache a partial trailing block). ``start``: the
     depth of the first block, when ``token_ids`` continue a chain whose last hash is ``seed``."""
     blocks = zip(count(start), *[iter(token_ids)] * block_size)  # a trailing partial block is dropped
-    out = list(accumulate(map(hash, blocks), add, initial=seed))
+    terms: Iterable[int] = map(hash, blocks)
+    if media:
+        terms = list(terms)
+        keys: dict[int, list[int]] = {}
+        for offset, digest in media:
+            b = offset // block_size
+            if 0 <= b < len(terms):
+                keys.setdefault(b, []).extend((digest, offset - b * block_size))
+        for b, flat in keys.items():
+            terms[b] = hash((start + b, *token_ids[b * block_size:(b + 1) * block_size], *flat))
+    out = list(accumulate(terms, add, initial=seed))
     del out[0]
+    return out
+
+
+def prompt_media(features: Mapping[str, Any] | None) -> list[tuple[int, int]]:
+    """``Media`` of a rendered prompt, from its GenerateRequest's ``features`` (empty for text)."""
+    if not features:
+        return []
+    hashes = features.get("mm_hashes") or {}
+    out = [(int(p["offset"]), media_digest(h))
+           for modality, ranges in (features.get("mm_placeholders") or {}).items()
+           for p, h in zip(ranges, hashes.get(modality) or (), strict=False)]
+    out.sort()
     return out

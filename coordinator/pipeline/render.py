@@ -59,6 +59,7 @@ from coordinator.pipeline.derender.fixups import widen_completion_logprobs, wide
 from coordinator.pipeline.engines.breaker import CircuitBreaker
 from coordinator.pipeline.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from coordinator.pipeline.local_tokenizer import LocalTokenizers
+from coordinator.pipeline.media import MediaPolicy
 from coordinator.pipeline.native_route import NativeRoute, require
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.token_ids import check_rendered
@@ -77,14 +78,17 @@ class RenderStage:
                  context_budget: Literal["off", "on"] = "off",
                  engine_lengths: Callable[[str], list[int]] = lambda model: [],
                  prefix_block_size: int | None = None, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 media: MediaPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """Without ``local`` and ``native_route`` there is no render fallback (render errors go out).
         ``engine_lengths(model)``: the configured ``max_model_len`` of the engines that may run it.
         ``prefix_block_size``: ask render for the prompts' block hashes at this block size (the
         scheduler reads a prefix index); our sidecar adds them, vLLM's own ignores the ask.
         ``enabled`` False (``render.enable``): render is never called; every request is tokenized
-        locally and takes the native route. ``clock`` drives the render circuit's cooldown (tests)."""
+        locally and takes the native route. ``media``: the checks a chat request's images pass before
+        render fetches or decodes them (``media.py``; none without it). ``clock`` drives the render
+        circuit's cooldown (tests)."""
         self._enabled = enabled
+        self._media = media
         self._hash_block = prefix_block_size
         self._sidecar = sidecar
         self._clamp = context_budget == "on"
@@ -109,6 +113,8 @@ class RenderStage:
 
     async def _stage(self, ctx: RequestContext, entry: ModelEntry) -> None:
         started = time.monotonic()
+        if self._media is not None and ctx.kind == "chat":
+            await self._media.check(ctx.body)
         if not self._enabled:
             await self._native(ctx, entry, "render is off (render.enable: false)", UpstreamUnavailable)
             return

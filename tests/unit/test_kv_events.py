@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.contracts.hashing import block_hashes, chain_seed, media_digest
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import (
     KvEventMirror,
@@ -169,9 +169,40 @@ def test_offload_tier_events_are_ignored(index: PrefixIndex, mirror: KvEventMirr
     assert mirror.stats.other_medium == 2
 
 
-def test_multimodal_blocks_are_not_indexed(index: PrefixIndex, mirror: KvEventMirror) -> None:
+def mm_keys(n_blocks: int, block_size: int, items: list[tuple[str, int, int]]) -> list[Any]:
+    """vLLM's published extra keys: ``(mm_hash, offset - block start)`` in every block an item
+    (hash, offset, length) overlaps, in offset order."""
+    keys: list[Any] = []
+    for b in range(n_blocks):
+        start, end = b * block_size, (b + 1) * block_size
+        here = tuple((h, off - start) for h, off, length in items if off < end and off + length > start)
+        keys.append(here or None)
+    return keys
+
+
+@pytest.mark.parametrize("engine_block", [BS, 4 * BS])
+def test_image_blocks_match_the_same_image_only(index: PrefixIndex, engine_block: int) -> None:
+    """A prompt with an image (placeholder at 40, 64 tokens) is indexed from the engine's events: the
+    render-side hashes of the same prompt with the same image match every block; with another image
+    only the blocks before it (the image starts in block 2)."""
+    mirror = KvEventMirror(index, ENGINE, MODEL, BS)
+    toks, hs = run_of(PROMPT, engine_block)
+    image = [("img-a", 40, 64)]
+    mirror.apply_payload(payload(stored(toks, hs, block_size=engine_block,
+                                        extra_keys=mm_keys(len(hs), engine_block, image))))
+    seed = chain_seed(MODEL)
+    full = len(toks) // BS
+    same = block_hashes(PROMPT, BS, seed, media=[(40, media_digest("img-a"))])
+    other = block_hashes(PROMPT, BS, seed, media=[(40, media_digest("img-b"))])
+    assert index.match(same) == {ENGINE: full}
+    assert index.match(other) == {ENGINE: 2}
+    assert index.match(ours(PROMPT)) == {ENGINE: 2}  # the text alone is not the image
+    assert mirror.stats.unhashable_blocks == 0
+
+
+def test_prompt_embeds_blocks_are_not_indexed(index: PrefixIndex, mirror: KvEventMirror) -> None:
     toks, hs = run_of(PROMPT, BS)
-    keys: list[Any] = [None, None, (("img-sha", 0),)] + [None] * (len(hs) - 3)
+    keys: list[Any] = [None, None, (b"embeds-digest",)] + [None] * (len(hs) - 3)
     mirror.apply_payload(payload(stored(toks, hs, extra_keys=keys)))
     assert index.match(ours(PROMPT)) == {ENGINE: 2}
     assert mirror.stats.unhashable_blocks == 16

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("conversions", ("coordinator.pipeline.catalog", "coordinator.pipeline.local_tokenizer",
                      "coordinator.pipeline.chat_form", "coordinator.pipeline.messages",
                      "coordinator.pipeline.responses", "coordinator.pipeline.validation",
+                     "coordinator.pipeline.media",
                      "coordinator.pipeline.derender")),
     ("topology", ("coordinator.pipeline.topology", "coordinator.pipeline.native_route")),
     ("stages", ("coordinator.pipeline.render", "coordinator.pipeline.native_api",

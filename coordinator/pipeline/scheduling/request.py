@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from coordinator.contracts.hashing import Media
 from coordinator.pipeline.engines.capabilities import NATIVE_API, NO_NEEDS, Capability
 from coordinator.pipeline.engines.engine import Engine
 
@@ -26,6 +27,7 @@ class SchedRequest:
     needs: frozenset[Capability] = NO_NEEDS          # only engines that can all of these (capabilities.py)
     scores_prompt: bool = False                       # prompt logprobs: one engine computes the whole prompt
     lora: str | None = None                           # its LoRA adapter (engines must hold or load it)
+    media: Media = ()                                 # its images, for media-aware block hashes
 
     @property
     def native_api(self) -> bool:

@@ -215,7 +215,7 @@ class Scheduler:
         if req.block_hashes is None:
             source = "coordinator"
             req.block_hashes = block_hashes(req.prompt_token_ids, self._block_size,
-                                            chain_seed(req.hash_seed_name, req.cache_salt))
+                                            chain_seed(req.hash_seed_name, req.cache_salt), media=req.media)
         if not req.hashes_counted and self._metrics is not None:
             req.hashes_counted = True
             self._metrics.prefix_hashes.labels(source).inc()

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from coordinator.config import TopologySettings
 from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
+from coordinator.contracts.hashing import prompt_media
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -55,7 +56,8 @@ class AttemptOpener:
                             max_tokens=int(sp["max_tokens"]), n=plan.n, priority=ctx.priority,
                             tenant=ctx.tenant, cache_salt=salt if isinstance(salt, str) else None,
                             block_hashes=hashes, needs=needs_of(sp),
-                            scores_prompt=sp.get("prompt_logprobs") is not None, lora=ctx.adapter)
+                            scores_prompt=sp.get("prompt_logprobs") is not None, lora=ctx.adapter,
+                            media=prompt_media(generate.get("features")))
 
     async def open_attempt(self, ctx: RequestContext, generate: GenerateRequest, req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[StreamChunk],

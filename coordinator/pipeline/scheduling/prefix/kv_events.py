@@ -31,7 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from coordinator.contracts.hashing import BlockHash, block_hashes, chain_seed
+from coordinator.contracts.hashing import BlockHash, block_hashes, chain_seed, media_digest
 from coordinator.contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -192,13 +192,15 @@ class KvEventMirror:
             first = ev.extra_keys[0] if ev.extra_keys else None
             seed, start = chain_seed(ev.lora_name or self.model, _cache_salt(first, ev.lora_name)), 0
         n = min(len(ev.block_hashes), len(ev.token_ids) // ev.block_size)
+        media: list[tuple[int, int]] = []
         if ev.extra_keys:
             hashable = next((i for i, keys in enumerate(ev.extra_keys[:n]) if _opaque(keys)), n)
             self.stats.unhashable_blocks += n - hashable
             n = hashable
+            media = _media(ev.extra_keys[:n], ev.block_size)
         if n == 0:
             return
-        ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed, start)
+        ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed, start, media)
         per = ev.block_size // self.block_size
         for i, eh in enumerate(ev.block_hashes[:n]):
             key = (group, eh)
@@ -248,10 +250,30 @@ def _cache_salt(keys: Sequence[Any] | None, lora_name: str | None) -> str | None
 
 
 def _opaque(keys: Sequence[Any] | None) -> bool:
-    """Multimodal (``[mm_id, offset]``) or prompt-embeds (bytes) keys: the engine's hash covers content
-    that our token-only hash cannot see (every image has the same placeholder tokens), so indexing
-    it would report matches that are not there."""
-    return any(isinstance(k, (list, tuple, bytes)) for k in keys or ())
+    """Prompt-embeds keys (bytes, or anything else we do not know): the engine's hash covers content
+    that our hash cannot see, so indexing it would report matches that are not there."""
+    return any(isinstance(k, bytes) or (isinstance(k, (list, tuple)) and _media_key(k) is None)
+               for k in keys or ())
+
+
+def _media_key(key: Sequence[Any]) -> tuple[str, int] | None:
+    """``[mm_hash, offset in the block]``, vLLM's published form of a media item in a block."""
+    if len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int):
+        return key[0], key[1]
+    return None
+
+
+def _media(keys: Sequence[Sequence[Any] | None], block_size: int) -> list[tuple[int, int]]:
+    """The items starting in these engine blocks (``hashing.Media``, offsets in the event's tokens); an
+    item's key in the blocks it continues into has a negative offset and adds nothing (the chain
+    carries it)."""
+    out = []
+    for i, block_keys in enumerate(keys):
+        for k in block_keys or ():
+            mk = _media_key(k) if isinstance(k, (list, tuple)) else None
+            if mk is not None and mk[1] >= 0:
+                out.append((i * block_size + mk[1], media_digest(mk[0])))
+    return out
 
 
 # --- ZMQ subscriber ------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""Images of a chat request checked before render fetches them (coordinator/pipeline/media.py), the
+placeholder narrowing of the render sidecar, and media-aware block hashes."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from coordinator.config import MediaSettings
+from coordinator.contracts.hashing import block_hashes, chain_seed, media_digest, prompt_media
+from coordinator.pipeline.errors import BadRequest
+from coordinator.pipeline.media import MediaPolicy
+from render_sidecar.mm_placeholders import SparsePlaceholder, embed_run
+
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
+DNS = {"images.example.com": ["93.184.216.34"], "intranet.example.com": ["10.1.2.3"],
+       "mixed.example.com": ["93.184.216.34", "127.0.0.1"]}
+
+
+async def fake_dns(host: str) -> list[str]:
+    if host not in DNS:
+        raise OSError(f"no such host: {host}")
+    return DNS[host]
+
+
+def chat(*urls: str) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "what is this?"}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": parts}]}
+
+
+async def check(body: dict[str, Any], **settings: Any) -> int:
+    return await MediaPolicy(MediaSettings(**settings), resolve=fake_dns).check(body)
+
+
+async def refused(body: dict[str, Any], **settings: Any) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        await check(body, **settings)
+    assert info.value.status == 400
+    return info.value
+
+
+async def test_accepted_images_are_counted() -> None:
+    assert await check(chat(PNG, "https://images.example.com/cat.png", "http://93.184.216.34/a.jpg")) == 3
+    assert await check({"model": "m", "messages": [{"role": "user", "content": "text only"}]}) == 0
+
+
+async def test_too_many_images_names_the_first_one_over() -> None:
+    err = await refused(chat(*[PNG] * 3), max_images=2)
+    assert err.param == "messages[1].content[3].image_url.url" and "At most 2 images" in err.message
+    err = await refused(chat(PNG), max_images=0)
+    assert "does not accept images" in err.message
+
+
+@pytest.mark.parametrize("url, words", [
+    ("file:///etc/passwd", "scheme file:"),
+    ("ftp://images.example.com/a.png", "scheme ftp:"),
+    ("images.example.com/a.png", "scheme (none)"),
+    ("data:text/plain;base64,aGVsbG8=", "text/plain"),
+    ("data:;base64,aGVsbG8=", "untyped"),
+    ("http://127.0.0.1:8200/v1/models", "private, loopback"),
+    ("http://169.254.169.254/latest/meta-data/", "private, loopback"),
+    ("http://[::1]/a.png", "private, loopback"),
+    ("http://[::ffff:10.0.0.1]/a.png", "private, loopback"),
+    ("https://intranet.example.com/a.png", "private, loopback"),
+    ("https://mixed.example.com/a.png", "private, loopback"),
+    ("https://nowhere.invalid/a.png", "does not resolve"),
+    ("https:///a.png", "no host"),
+])
+async def test_refused_urls_say_why(url: str, words: str) -> None:
+    err = await refused(chat(PNG, url))
+    assert err.param == "messages[1].content[2].image_url.url"
+    assert words in err.message
+
+
+async def test_size_schemes_and_private_addresses_follow_the_config() -> None:
+    big = "data:image/png;base64," + "A" * 4000  # ~3000 bytes
+    err = await refused(chat(big), max_image_bytes=2048)
+    assert "exceeds the limit of 2048 bytes" in err.message
+    assert await check(chat(big), max_image_bytes=4096) == 1
+    err = await refused(chat("https://images.example.com/a.png"), url_schemes=["data"])
+    assert "allowed: data:" in err.message
+    assert await check(chat("http://10.0.0.7/a.png"), allow_private_urls=True) == 1
+
+
+async def test_a_bare_string_image_url_and_a_missing_url() -> None:
+    body = chat()
+    body["messages"][1]["content"].append({"type": "image_url", "image_url": "http://127.0.0.1/x.png"})
+    assert (await refused(body)).param == "messages[1].content[1].image_url.url"
+    body["messages"][1]["content"][1] = {"type": "image_url", "image_url": {}}
+    assert "non-empty string url" in (await refused(body)).message
+
+
+def test_placeholders_narrow_to_their_embedding_run() -> None:
+    """Idefics3: <fake><global-img> 16×<image> <fake> → the 16 positions the embeddings fill."""
+    mask = [False, False] + [True] * 16 + [False]
+    assert embed_run(24, 19, mask) == (26, 16)
+    assert embed_run(24, 19, None) == (24, 19)            # a dense placeholder stays as it is
+    assert embed_run(5, 4, [True] * 4) == (5, 4)
+    with pytest.raises(SparsePlaceholder, match="gaps"):
+        embed_run(0, 6, [True, True, False, True, True, False])   # tiles with separators
+
+
+def test_block_hashes_tell_images_apart() -> None:
+    """Same text, same image at the same place: equal hashes; another image: equal only before it."""
+    ids = [7] * 40 + [49153] * 64 + [9] * 40
+    seed = chain_seed("m")
+
+    def features(h: str) -> dict[str, Any]:
+        return {"mm_hashes": {"image": [h]}, "mm_placeholders": {"image": [{"offset": 40, "length": 64}]}}
+
+    a, a2, b = (block_hashes(ids, 16, seed, media=prompt_media(features(h))) for h in ("aa", "aa", "bb"))
+    text = block_hashes(ids, 16, seed)
+    assert a == a2
+    assert a[:2] == b[:2] == text[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
+    assert all(x != y for x, y in zip(a[2:], text[2:], strict=True))
+    assert prompt_media(features("aa")) == [(40, media_digest("aa"))] and prompt_media(None) == []
