@@ -118,3 +118,30 @@ def test_block_hashes_tell_images_apart() -> None:
     assert a[:2] == b[:2] == text[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))
     assert all(x != y for x, y in zip(a[2:], text[2:], strict=True))
     assert prompt_media(features("aa")) == [(40, media_digest("aa"))] and prompt_media(None) == []
+
+
+def test_simulated_engine_blocks_are_the_coordinators_media_hashes() -> None:
+    """The simulator keys image blocks and publishes their ``[mm_hash, offset]`` keys as vLLM does;
+    the coordinator's mirror of those events matches its own media-aware hashes of the same prompt
+    (engine blocks of 64, index blocks of 16), and not those of the same text with another image."""
+    from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+    from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+    from token_engine.simulator.prefix_cache import PrefixCache, media_items
+
+    ids = [7] * 90 + [49153] * 40 + [9] * 130
+    features = {"mm_hashes": {"image": ["cafe"]}, "mm_placeholders": {"image": [{"offset": 90, "length": 40}]}}
+    events: list[Any] = []
+    cache = PrefixCache(64, 100, on_events=events.extend)
+    cache.insert(ids, media=media_items(features))
+    stored = events[0]
+    assert stored.extra_keys[1] == (("cafe", 26),) and stored.extra_keys[2] == (("cafe", -38),)
+    assert stored.extra_keys[0] is None and stored.extra_keys[3] is None
+    assert cache.lookup(ids, media=media_items(features)) == 256
+    other = {**features, "mm_hashes": {"image": ["beef"]}}
+    assert cache.lookup(ids, media=media_items(other)) == 64  # the blocks before the image only
+
+    index = PrefixIndex()
+    KvEventMirror(index, "e", "m", 16).apply(events)
+    seed = chain_seed("m")
+    assert index.match(block_hashes(ids, 16, seed, media=prompt_media(features))) == {"e": 16}
+    assert index.match(block_hashes(ids, 16, seed, media=prompt_media(other))) == {"e": 5}

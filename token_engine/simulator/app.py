@@ -39,6 +39,7 @@ from .errors import (
 from .faults import SimFaults
 from .kv_events import ZmqEventPublisher
 from .metrics import CONTENT_TYPE, build_registry, render
+from .prefix_cache import media_items
 from .protocol import (
     GenerateLogProbs,
     GenerateRequest,
@@ -254,6 +255,7 @@ class SimServer:
             error_after_tokens=call_faults.error_after_tokens if call_faults else None,
             peer_url=str(raw.base_url).rstrip("/"),
             lora=request.model if request.model in loras.registered else None,
+            media=media_items(request.features),
         )
         if request.stream:
             return StreamingResponse(

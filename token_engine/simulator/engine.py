@@ -27,7 +27,7 @@ from .kv_transfer import PeerNotifier, TransferPins
 from .layerwise import LayerwiseConnector, callback_body, side_channel
 from .lora import SimLoras
 from .output_model import TokenSource, fake_logprob, make_source
-from .prefix_cache import EventSink, PrefixCache
+from .prefix_cache import EventSink, MediaItem, PrefixCache
 from .protocol import GenerateLogProb, GenerateLogProbsContent, SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -81,6 +81,8 @@ class SimRequest:
     """The URL this request reached the server on; advertised as `sim_peer_url` when configured."""
     lora: str | None = None
     """The LoRA adapter it runs (its name); None: the base model."""
+    media: list[MediaItem] = field(default_factory=list)
+    """Its images (``features``): their hashes key the blocks they overlap, like vLLM's."""
     internal_id: str = ""
     arrival: float = field(default_factory=time.monotonic)
     status: Literal["new", "waiting", "running", "finished"] = "new"
@@ -255,7 +257,7 @@ class SimEngine:
         # Prefill: cost of the uncached prompt tail (a NIXL remote prefill leaves only the last token).
         if req.lora is not None:  # scheduled: the adapter's weights go into a LoRA slot
             await self.loras.warm(req.lora)
-        cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora)
+        cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora, media=req.media)
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
         if self._is_trigger_decode(req):
@@ -277,7 +279,7 @@ class SimEngine:
         if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached):
             return
         self.prefix_cache.insert(req.prompt, req.cache_salt,
-                                 (req.lora, self.loras.adapter_id(req.lora)) if req.lora else None)
+                                 (req.lora, self.loras.adapter_id(req.lora)) if req.lora else None, req.media)
         self.stats.prompt_tokens += len(req.prompt)
 
         stop_ids, banned = self._stop_sets(sp)

@@ -31,12 +31,33 @@ from coordinator.contracts.kv_events import (
 
 BlockHash = bytes
 EventSink = Callable[[list[KVEvent]], None]
+MediaItem = tuple[str, int, int]
+"""An image of the prompt: its hash (render's ``mm_hashes``), placeholder offset and length."""
+
+
+def media_items(features: dict[str, Any] | None) -> list[MediaItem]:
+    """A GenerateRequest's ``features`` as media items, by offset (vLLM sorts them so too)."""
+    if not features:
+        return []
+    hashes = features.get("mm_hashes") or {}
+    items = [(str(h), int(p["offset"]), int(p["length"]))
+             for modality, ranges in (features.get("mm_placeholders") or {}).items()
+             for p, h in zip(ranges, hashes.get(modality) or (), strict=False)]
+    return sorted(items, key=lambda item: item[1])
+
+
+def media_keys(media: Sequence[MediaItem], start: int, end: int) -> list[tuple[str, int]]:
+    """vLLM's media extra keys of the block ``[start, end)``: ``(hash, offset - start)`` of every item
+    overlapping it (negative in the blocks an item continues into)."""
+    return [(h, off - start) for h, off, length in media if off < end and off + length > start]
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                 lora: str | None = None) -> list[BlockHash]:
+                 lora: str | None = None, media: Sequence[MediaItem] = ()) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks (a partial trailing block is never cached). A LoRA
-    run's blocks are its own (vLLM puts the adapter in every block's extra keys)."""
+    run's blocks are its own (vLLM puts the adapter in every block's extra keys), and so are the
+    blocks an image overlaps (its hash and offset are in their keys: the same placeholder tokens with
+    another image are other blocks)."""
     hashes: list[BlockHash] = []
     parent = b"" if salt is None else hashlib.sha256(salt.encode("utf-8")).digest()
     if lora is not None:
@@ -45,6 +66,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
         block = token_ids[start : start + block_size]
         digest = hashlib.sha256(parent)
         digest.update(b",".join(str(t).encode("ascii") for t in block))
+        for h, rel in media_keys(media, start, start + block_size) if media else ():
+            digest.update(f"|mm:{h}:{rel}".encode())
         parent = digest.digest()
         hashes.append(parent)
     return hashes
@@ -97,12 +120,12 @@ class PrefixCache:
             self._blocks.move_to_end(h)
 
     def lookup(self, token_ids: Sequence[int], salt: str | None = None, *, record: bool = True,
-               lora: str | None = None) -> int:
+               lora: str | None = None, media: Sequence[MediaItem] = ()) -> int:
         """Number of leading prompt tokens served from cache; counts a query when `record`."""
         cached = 0
         if self.enabled:
             hit: list[BlockHash] = []
-            for h in block_hashes(token_ids, self.block_size, salt, lora):
+            for h in block_hashes(token_ids, self.block_size, salt, lora, media):
                 if h not in self._blocks:
                     break
                 hit.append(h)
@@ -117,11 +140,11 @@ class PrefixCache:
         return cached
 
     def insert(self, token_ids: Sequence[int], salt: str | None = None,
-               lora: tuple[str, int] | None = None) -> None:
+               lora: tuple[str, int] | None = None, media: Sequence[MediaItem] = ()) -> None:
         """Mark the prompt's full blocks cached (most recently used); evict the oldest beyond capacity."""
         if not self.enabled:
             return
-        hashes = block_hashes(token_ids, self.block_size, salt, lora[0] if lora else None)
+        hashes = block_hashes(token_ids, self.block_size, salt, lora[0] if lora else None, media)
         # Blocks are chained and parents outlive children, so the new blocks are a suffix.
         first_new = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
         self._touch(hashes)
@@ -134,7 +157,7 @@ class PrefixCache:
         new = set(hashes[first_new:])
         events: list[KVEvent] = [self._removed(h) for h in evicted if h not in new]
         if first_new < len(hashes):
-            events.append(self._stored(hashes, first_new, token_ids, salt, lora))
+            events.append(self._stored(hashes, first_new, token_ids, salt, lora, media))
         events.extend(self._removed(h) for h in evicted if h in new)
         self.on_events(events)
 
@@ -156,15 +179,17 @@ class PrefixCache:
 
     def _stored(
         self, hashes: list[BlockHash], first: int, token_ids: Sequence[int], salt: str | None,
-        lora: tuple[str, int] | None = None,
+        lora: tuple[str, int] | None = None, media: Sequence[MediaItem] = (),
     ) -> BlockStored:
         """vLLM's `cache_full_blocks` event: the new run, its parent, its tokens, per-block extra keys
-        untagged (a LoRA run's adapter name on every block, then the cache_salt on block 0 only; None
-        where a block has neither), and the adapter's name and id."""
+        untagged in vLLM's order (a LoRA run's adapter name on every block, then ``(mm_hash, offset)``
+        of each image the block overlaps, then the cache_salt on block 0 only; None where a block has
+        none), and the adapter's name and id."""
         bs = self.block_size
 
-        def keys(i: int) -> tuple[str, ...] | None:
-            found = ((lora[0],) if lora else ()) + ((salt,) if i == 0 and salt else ())
+        def keys(i: int) -> tuple[Any, ...] | None:
+            found = (((lora[0],) if lora else ()) + tuple(media_keys(media, i * bs, (i + 1) * bs))
+                     + ((salt,) if i == 0 and salt else ()))
             return found or None
 
         return BlockStored(

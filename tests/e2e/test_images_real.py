@@ -1,0 +1,248 @@
+"""Images on the token path, on real vLLM: render → ``/inference/v1/generate`` with ``features`` →
+derender, side by side with the same engine's own ``/v1/chat/completions``.
+
+The model is the tiny SmolVLM-style Idefics3 ``token_engine.vision_prep`` builds (SmolLM2 with a
+random vision tower: gibberish answers, but deterministic and different for different images). Its
+placeholders hold non-embedding tokens, the case vLLM 0.32's generate path gets wrong without the
+sidecar's narrowing (``render_sidecar/mm_placeholders.py``). A vision engine must load its tokenizer
+(vLLM's multimodal processor needs it), so it runs ``--enable-scale-out``: that one process is both
+the coordinator's engine and the native reference. It publishes its KV events, which shows that the
+sidecar's media-aware block hashes are the engine's own blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
+from tests.conftest import MAX_MODEL_LEN, SERVED, CoordinatorFactory, _echo, _ready
+from tests.support import free_port, reserved_port, sse_events, streamed_text
+
+pytestmark = pytest.mark.e2e
+
+VISION = "smolvlm-tiny"
+MM_LIMIT = ["--limit-mm-per-prompt", '{"image": 3}']
+BS = 16
+
+
+@dataclass
+class VisionStack:
+    render: Any
+    engine: Any        # --enable-scale-out: the coordinator's engine and the native reference
+    kv_events: str     # its ZMQ publisher
+
+
+@pytest.fixture(scope="module")
+def vision(logs_dir: Path) -> Iterator[VisionStack]:
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.launch import VllmEngine
+    from token_engine.vision_prep import ensure_vision_model
+
+    folder = ensure_vision_model()
+    port = reserved_port()
+    engine = VllmEngine(folder, port=free_port(), served_model_name=VISION, mode="scale-out",
+                        max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "vision-engine.log", echo=_echo(),
+                        extra_args=MM_LIMIT, name="vision-engine",
+                        kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    render = RenderSidecar(folder, port=free_port(), served_model_name=VISION, max_model_len=MAX_MODEL_LEN,
+                           extra_args=MM_LIMIT, env_overrides={"VLLM_IMAGE_FETCH_TIMEOUT": "2"},
+                           log_path=logs_dir / "vision-render.log", echo=_echo(), name="vision-render")
+    try:
+        engine.start()
+        render.start()
+        _ready(render)
+        _ready(engine)
+        yield VisionStack(render, engine, f"tcp://127.0.0.1:{port}")
+    finally:
+        engine.stop()
+        render.stop()
+
+
+def png(color: str, size: tuple[int, int] = (64, 48)) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(*images: str, text: str = "What is in this picture?", **extra: Any) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return {"model": VISION, "messages": [{"role": "user", "content": parts}], "max_tokens": 16,
+            "temperature": 0, **extra}
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+
+
+def answer(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+
+
+@pytest.fixture(scope="module")
+def coordinator(vision: VisionStack, coordinator_factory: CoordinatorFactory) -> Any:
+    return coordinator_factory(str(vision.render.url), [vision.engine.url], models=[{"name": VISION}],
+                               engine_client={"health_interval_s": 0.5})
+
+
+def test_images_answer_as_native_does(vision: VisionStack, coordinator: Any) -> None:
+    """One image and two, streamed and not: the same text and the same usage as the engine's own chat
+    route; different images give different answers, so the image reached the model."""
+    native = vision.engine.url
+    seen = set()
+    for images in ([png("red")], [png("blue")], [png("green"), png("orange", (96, 64))]):
+        body = chat(*images)
+        expected, usage = answer(native, body)
+        text, ours = answer(coordinator.url, body)
+        assert text == expected, images
+        assert ours["prompt_tokens"] == usage["prompt_tokens"] and ours["completion_tokens"] == usage["completion_tokens"]
+        r = post(coordinator.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200, r.text
+        events = sse_events(r)
+        assert streamed_text(events)[0] == expected
+        assert [e for e in events if isinstance(e, dict) and e.get("usage")][-1]["usage"]["prompt_tokens"] == \
+            usage["prompt_tokens"]
+        seen.add(expected)
+    assert len(seen) == 3, "different images gave the same answer: the image never reached the model"
+    assert httpx.get(f"{native}/health", timeout=10).status_code == 200
+
+
+def test_the_openai_sdk_sends_an_image_unmodified(vision: VisionStack, coordinator: Any) -> None:
+    """The OpenAI Python SDK (its own venv, strict parsing) sending a data-URL image."""
+    import json
+    import subprocess
+
+    python = Path(__file__).resolve().parents[2] / ".venv-compat" / "bin" / "python"
+    if not python.exists():
+        pytest.fail(".venv-compat is missing: `make compat-venv` builds it (make test does)")
+    code = (
+        "import json, sys\nfrom openai import OpenAI\n"
+        "c = OpenAI(base_url=sys.argv[1] + '/v1', api_key='none')\n"
+        "r = c.chat.completions.create(model=sys.argv[2], max_tokens=16, temperature=0, messages=[{'role': 'user',"
+        " 'content': [{'type': 'text', 'text': 'What is in this picture?'},"
+        " {'type': 'image_url', 'image_url': {'url': sys.argv[3]}}]}])\n"
+        "print(json.dumps({'text': r.choices[0].message.content, 'prompt': r.usage.prompt_tokens}))\n")
+    image = png("purple")
+    out = subprocess.run([str(python), "-c", code, coordinator.url, VISION, image], capture_output=True,
+                         text=True, timeout=180, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    expected, usage = answer(vision.engine.url, chat(image))
+    assert got == {"text": expected, "prompt": usage["prompt_tokens"]}
+
+
+class _Slow(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        time.sleep(6)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def slow_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    finally:
+        server.shutdown()
+
+
+def test_bad_images_are_400s_naming_the_field_and_the_engine_lives(
+        vision: VisionStack, coordinator: Any, coordinator_factory: CoordinatorFactory, slow_url: str,
+        vllm_stack: Any) -> None:
+    corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nnot really a png").decode()
+    cases = {
+        "not an image": (chat("data:text/plain;base64,aGVsbG8="), "text/plain"),
+        "corrupt": (chat(corrupt), None),
+        "too many for the model": (chat(png("red"), png("red"), png("red"), png("red")), None),
+        "private address": (chat("http://127.0.0.1:9/cat.png"), "private"),
+        "file scheme": (chat("file:///etc/passwd"), "scheme file:"),
+    }
+    for name, (body, words) in cases.items():
+        r = post(coordinator.url, body)
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        if words is not None:
+            assert words in error["message"] and error["param"] == "messages[0].content[1].image_url.url", error
+    # A download that outlasts render's fetch limit (2 s here), from a server allowed to be local.
+    open_coord = coordinator_factory(str(vision.render.url), [vision.engine.url], models=[{"name": VISION}],
+                                     media={"allow_private_urls": True})
+    r = post(open_coord.url, chat(slow_url))
+    assert 400 <= r.status_code < 500, r.text
+    # An image for the text-only model of the session's stack: its render refuses it.
+    text_coord = coordinator_factory(str(vllm_stack.render_url), [vllm_stack.engine.url])
+    r = post(text_coord.url, {**chat(png("red")), "model": SERVED})
+    assert r.status_code == 400, r.text
+    for url in (vision.engine.url, vllm_stack.engine.url):
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    text, _ = answer(coordinator.url, chat(png("red")))
+    assert text == answer(vision.engine.url, chat(png("red")))[0]
+
+
+async def test_the_engines_kv_blocks_are_the_sidecars_media_hashes(vision: VisionStack) -> None:
+    """The render-side hashes of a prompt with an image, mirrored from the engine's own KV events:
+    the same image matches every block the engine stored, another image with the same text only the
+    blocks before it."""
+    index = PrefixIndex()
+    source = PreciseIndexSource(index, lambda url: VISION, BS, topic="kv")
+    long_text = " ".join(f"word{i}" for i in range(150))
+    render = str(vision.render.url)
+    try:
+        sub = await source.attach(vision.engine.url, vision.kv_events)
+        async with httpx.AsyncClient(timeout=180) as client:
+            async def rendered(color: str) -> dict[str, Any]:
+                body = {"model": VISION, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": long_text}, {"type": "image_url", "image_url": {"url": png(color)}},
+                    {"type": "text", "text": long_text}]}]}
+                r = await client.post(f"{render}/v1/chat/completions/render", json=body,
+                                      headers={"x-prefix-hash": f"{BS} {VISION}"})
+                assert r.status_code == 200, r.text
+                return dict(r.json())
+
+            for _ in range(10):  # ZMQ's slow joiner: until one batch arrives
+                first = await rendered("navy")
+                hashes = first.pop("block_hashes")
+                r = await client.post(f"{vision.engine.url}/inference/v1/generate", json=first)
+                assert r.status_code == 200, r.text
+                if await _until(lambda: sub.mirror.stats.batches > 0, 2.0):
+                    break
+            placeholder = first["features"]["mm_placeholders"]["image"][0]
+            stored = len(first["token_ids"]) // 128 * 128 // BS  # the CPU engine keeps 128-token blocks
+            assert await _until(lambda: index.match(hashes).get(vision.engine.url) == stored, 10.0), \
+                (index.match(hashes), stored)
+            other = (await rendered("olive"))["block_hashes"]
+            assert index.match(other) == {vision.engine.url: placeholder["offset"] // BS}
+            assert sub.mirror.stats.unhashable_blocks == 0
+    finally:
+        await source.stop_all()
+
+
+async def _until(cond: Any, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return bool(cond())
