@@ -230,7 +230,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                            context_budget=settings.limits.context_budget_mode,
                            engine_lengths=registry.max_model_lens,
                            prefix_block_size=None if prefix.source == "none" else prefix.block_size,
-                           media=MediaPolicy(settings.media), native_route=native),
+                           media=MediaPolicy(settings.media), media_hashes=prefix.media, native_route=native),
         dispatcher=Dispatcher(engines, attempts, settings.topology, board),
         derender=Derender(derenderer, settings.stream.queue_chunks,
                           Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,

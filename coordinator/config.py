@@ -458,6 +458,10 @@ class PrefixIndexSettings(_Section):
     pending_ttl_s: float = Field(
         default=10.0, gt=0, description="precise: a routed prompt counts as cached on its engine for this "
         "long, until the engine's KV events confirm it (covers prefills still running)")
+    media: bool = Field(
+        default=True, description="blocks of a prompt with images are hashed with the images' hashes, as "
+        "vLLM keys them (docs/multimodal.md); false: by their token ids only, like a media-blind router "
+        "(the baseline of perf.multimodal), which takes every image for every other")
 
 
 class BoundedLoadSettings(_Section):

@@ -253,18 +253,19 @@ def sim_engines(configs: list[dict[str, Any]]) -> Iterator[tuple[list[str], int]
 
 @contextmanager
 def render_sidecars(n: int, say: Callable[[str], None], *, log_dir: Path | None = None,
-                    **kwargs: Any) -> Iterator[list[Any]]:
+                    model: Path | None = None, served: str = SERVED, **kwargs: Any) -> Iterator[list[Any]]:
     """``n`` real vLLM render sidecars started together (start-up is mostly ``import vllm``); their
-    logs go to ``log_dir/render-<i>.log`` when given."""
+    logs go to ``log_dir/render-<i>.log`` when given. ``model``: another model folder than SmolLM2's,
+    served as ``served``."""
     from render_sidecar.launch import RenderSidecar
     from token_engine.model_prep import ensure_model
 
-    model = ensure_model()
+    model = model or ensure_model()
     with ExitStack() as stack:
         sidecars = []
         for i in range(n):
             log = None if log_dir is None else log_dir / f"render-{i}.log"
-            s = RenderSidecar(model, port=free_port(), served_model_name=SERVED, echo=False, log_path=log,
+            s = RenderSidecar(model, port=free_port(), served_model_name=served, echo=False, log_path=log,
                               **kwargs)
             s.start()
             stack.callback(s.stop)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from coordinator.contracts.generate import GenerateRequest
+from coordinator.contracts.hashing import Media
 from coordinator.observability.record import Record
 from coordinator.pipeline.errors import UpstreamTimeout, UpstreamUnavailable
 
@@ -70,6 +71,7 @@ class PromptPlan:
     stop: StopSpec
     attempt: int = 1                  # engine attempt now streaming (a relay starts the next one)
     block_hashes: list[int] | None = None  # the prompt's prefix-index hashes, when render sent them
+    media: Media = ()                 # its images, for media-aware hashes (contracts/hashing.py)
 
     @property
     def prompt_tokens(self) -> int:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 from coordinator.contracts.generate import GenerateRequest, SamplingParams
+from coordinator.contracts.hashing import prompt_media
 from coordinator.contracts.sidecar import PREFIX_HASH_HEADER, prefix_hash_spec
 from coordinator.observability import tracing
 from coordinator.observability.events import event
@@ -78,17 +79,20 @@ class RenderStage:
                  context_budget: Literal["off", "on"] = "off",
                  engine_lengths: Callable[[str], list[int]] = lambda model: [],
                  prefix_block_size: int | None = None, enabled: bool = True,
-                 media: MediaPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 media: MediaPolicy | None = None, media_hashes: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """Without ``local`` and ``native_route`` there is no render fallback (render errors go out).
         ``engine_lengths(model)``: the configured ``max_model_len`` of the engines that may run it.
         ``prefix_block_size``: ask render for the prompts' block hashes at this block size (the
         scheduler reads a prefix index); our sidecar adds them, vLLM's own ignores the ask.
         ``enabled`` False (``render.enable``): render is never called; every request is tokenized
         locally and takes the native route. ``media``: the checks a chat request's images pass before
-        render fetches or decodes them (``media.py``; none without it). ``clock`` drives the render
-        circuit's cooldown (tests)."""
+        render fetches or decodes them (``media.py``; none without it); ``media_hashes`` False
+        (``scheduling.prefix.media``): a prompt with images is hashed by its token ids only. ``clock``
+        drives the render circuit's cooldown (tests)."""
         self._enabled = enabled
         self._media = media
+        self._media_hashes = media_hashes
         self._hash_block = prefix_block_size
         self._sidecar = sidecar
         self._clamp = context_budget == "on"
@@ -248,6 +252,9 @@ class RenderStage:
         block = self._hash_block
         if not (block and isinstance(hashes, list) and len(hashes) == len(ids) // block):
             hashes = None
+        media = prompt_media(gr.get("features"))
+        if media and not self._media_hashes:  # render's hashes cover the images; the baseline's do not
+            media, hashes = [], None
         room = max_len - len(ids)
         fills = room < 1  # with context_budget_mode on, sent as it is: the engine refuses it
         if fills and not self._clamp:
@@ -287,4 +294,4 @@ class RenderStage:
         if ctx.adapter is not None:  # rendered as the base model; the engine runs the adapter
             generate["model"] = ctx.adapter
         return PromptPlan(index=index, generate=generate, prompt_token_ids=ids,
-                          n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes)
+                          n=int(sp.get("n", 1)), stop=spec, block_hashes=hashes, media=media)

@@ -58,7 +58,7 @@ class Dispatcher:
         generate: GenerateRequest = {**plan.generate, "request_id": f"{plan.generate['request_id']}-prompt",
                                      "sampling_params": scoring, "stream": False, "stream_options": None}
         score = PromptPlan(index=plan.index, generate=generate, prompt_token_ids=plan.prompt_token_ids, n=1,
-                           stop=plan.stop, block_hashes=plan.block_hashes)
+                           stop=plan.stop, block_hashes=plan.block_hashes, media=plan.media)
         out = await self.generate(ctx, score)
         plp = out.get("prompt_logprobs")
         return plp if isinstance(plp, list) else None

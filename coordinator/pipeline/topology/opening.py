@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 
 from coordinator.config import TopologySettings
 from coordinator.contracts.generate import GenerateRequest, GenerateResponse, StreamChunk
-from coordinator.contracts.hashing import prompt_media
 from coordinator.observability import tracing
 from coordinator.pipeline.admission.controller import Grant
 from coordinator.pipeline.context import PromptPlan, RequestContext
@@ -57,7 +56,7 @@ class AttemptOpener:
                             tenant=ctx.tenant, cache_salt=salt if isinstance(salt, str) else None,
                             block_hashes=hashes, needs=needs_of(sp),
                             scores_prompt=sp.get("prompt_logprobs") is not None, lora=ctx.adapter,
-                            media=prompt_media(generate.get("features")))
+                            media=plan.media)
 
     async def open_attempt(self, ctx: RequestContext, generate: GenerateRequest, req: SchedRequest
                            ) -> tuple[Grant, contextlib.AsyncExitStack, AsyncIterator[StreamChunk],
