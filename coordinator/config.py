@@ -129,8 +129,9 @@ class MediaSettings(_Section):
         "(off: such a URL is a 400 before render fetches it)")
     fetch_timeout_s: float = Field(
         default=3.0, gt=0,
-        description="render's download limit for one image (VLLM_IMAGE_FETCH_TIMEOUT of the sidecars the "
-        "launchers start); keep it below render.timeout_s")
+        description="render's download limit for one image: the VLLM_IMAGE_FETCH_TIMEOUT that `make run` "
+        "gives its sidecars (set the same on sidecars you start, as deploy/k8s does); keep it below "
+        "render.timeout_s")
 
 
 class RenderSettings(_Section):

@@ -64,6 +64,7 @@ class StackPlan:
     model_name: str
     aliases: tuple[str, ...]
     render_workers: int | None
+    fetch_timeout_s: float = 3.0            # media.fetch_timeout_s: render's image download limit
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -105,6 +106,7 @@ def load_plan(config_path: Path) -> StackPlan:
         model_name=str(models[0]["name"]),
         aliases=tuple(str(a) for a in models[0].get("aliases", [])),
         render_workers=int(workers) if workers is not None else None,
+        fetch_timeout_s=float((data.get("media") or {}).get("fetch_timeout_s", 3.0)),
     )
 
 
@@ -136,7 +138,9 @@ def run_stack(
 
     # The hermes tool parser on render (and on the engine's own API, the render fallback): agent
     # frameworks send tools with tool_choice auto or "required", which vLLM refuses without a parser.
-    render_kwargs: dict[str, Any] = {"tool_call_parser": TOOL_PARSER, "enable_auto_tool_choice": True}
+    fetch = {"VLLM_IMAGE_FETCH_TIMEOUT": f"{plan.fetch_timeout_s:g}"}  # media.fetch_timeout_s
+    render_kwargs: dict[str, Any] = {"tool_call_parser": TOOL_PARSER, "enable_auto_tool_choice": True,
+                                     "env_overrides": fetch}
     if plan.render_workers is not None:
         render_kwargs["renderer_num_workers"] = plan.render_workers
     render_names = ["render"] + [f"render-{i}" for i in range(1, len(plan.renders))]
