@@ -148,6 +148,29 @@ def test_the_openai_sdk_sends_an_image_unmodified(vision: VisionStack, coordinat
     assert got == {"text": expected, "prompt": usage["prompt_tokens"]}
 
 
+def test_messages_and_responses_carry_images(vision: VisionStack, coordinator: Any) -> None:
+    """An Anthropic Messages ``image`` block and a Responses ``input_image``, through the coordinator:
+    the same text as the engine's own /v1/messages and /v1/responses give."""
+    image = png("maroon")
+    messages = {"model": VISION, "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image.split(",", 1)[1]}}]}]}
+    responses = {"model": VISION, "max_output_tokens": 16, "temperature": 0, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What is in this picture?"}, {"type": "input_image", "image_url": image}]}]}
+
+    def text(url: str, path: str, body: dict[str, Any]) -> str:
+        r = httpx.post(f"{url}{path}", json=body, timeout=180)
+        assert r.status_code == 200, (url, path, r.text)
+        doc = r.json()
+        if path == "/v1/messages":
+            return "".join(b.get("text", "") for b in doc["content"])
+        return "".join(c.get("text", "") for item in doc["output"] for c in item.get("content") or ())
+
+    for path, body in (("/v1/messages", messages), ("/v1/responses", responses)):
+        expected = text(vision.engine.url, path, body)
+        assert expected and text(coordinator.url, path, body) == expected, path
+
+
 class _Slow(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         time.sleep(6)
