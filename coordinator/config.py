@@ -127,11 +127,11 @@ class MediaSettings(_Section):
         default=False,
         description="let http(s) image URLs name loopback, private, link-local or reserved addresses "
         "(off: such a URL is a 400 before render fetches it)")
-    fetch_timeout_s: float = Field(
-        default=3.0, gt=0,
-        description="render's download limit for one image: the VLLM_IMAGE_FETCH_TIMEOUT that `make run` "
-        "gives its sidecars (set the same on sidecars you start, as deploy/k8s does); keep it below "
-        "render.timeout_s")
+    fetch_timeout_s: int = Field(
+        default=3, ge=1,
+        description="render's download limit for one image, whole seconds: `make run` gives its sidecars "
+        "VLLM_IMAGE_FETCH_TIMEOUT of this and one try (render_sidecar.launch.media_env; set the same on "
+        "sidecars you start, as deploy/k8s does); keep it below render.timeout_s")
 
 
 class RenderSettings(_Section):

@@ -35,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:  # `python deploy/local_stack.py` puts deploy
 
 import yaml  # noqa: E402
 
-from render_sidecar.launch import RenderSidecar  # noqa: E402
+from render_sidecar.launch import RenderSidecar, media_env  # noqa: E402
 from token_engine.launch import EngineMode, VllmEngine  # noqa: E402
 from token_engine.model_prep import MissingDependencyError, ModelPrepError, ensure_model  # noqa: E402
 from token_engine.process import ManagedProcess, echo_line, wait_http_ready_all  # noqa: E402
@@ -64,7 +64,8 @@ class StackPlan:
     model_name: str
     aliases: tuple[str, ...]
     render_workers: int | None
-    fetch_timeout_s: float = 3.0            # media.fetch_timeout_s: render's image download limit
+    fetch_timeout_s: int = 3                # media.fetch_timeout_s: render's image download limit
+    allow_private_urls: bool = False        # media.allow_private_urls (render follows redirects then)
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -106,7 +107,8 @@ def load_plan(config_path: Path) -> StackPlan:
         model_name=str(models[0]["name"]),
         aliases=tuple(str(a) for a in models[0].get("aliases", [])),
         render_workers=int(workers) if workers is not None else None,
-        fetch_timeout_s=float((data.get("media") or {}).get("fetch_timeout_s", 3.0)),
+        fetch_timeout_s=int((data.get("media") or {}).get("fetch_timeout_s", 3)),
+        allow_private_urls=bool((data.get("media") or {}).get("allow_private_urls", False)),
     )
 
 
@@ -138,9 +140,9 @@ def run_stack(
 
     # The hermes tool parser on render (and on the engine's own API, the render fallback): agent
     # frameworks send tools with tool_choice auto or "required", which vLLM refuses without a parser.
-    fetch = {"VLLM_IMAGE_FETCH_TIMEOUT": f"{plan.fetch_timeout_s:g}"}  # media.fetch_timeout_s
+    media = media_env(plan.fetch_timeout_s, plan.allow_private_urls)
     render_kwargs: dict[str, Any] = {"tool_call_parser": TOOL_PARSER, "enable_auto_tool_choice": True,
-                                     "env_overrides": fetch}
+                                     "env_overrides": media}
     if plan.render_workers is not None:
         render_kwargs["renderer_num_workers"] = plan.render_workers
     render_names = ["render"] + [f"render-{i}" for i in range(1, len(plan.renders))]

@@ -22,6 +22,18 @@ SESSION_MODULE = "render_sidecar.server"  # vLLM's render server + the parser-se
 SESSION_CACHE_LINE = (0, 32)             # the vLLM line whose internals the cache drives
 
 
+def media_env(fetch_timeout_s: int, allow_private_urls: bool) -> dict[str, str]:
+    """The environment that holds a sidecar's image downloads to the coordinator's ``media`` settings.
+
+    vLLM retries a failed download with a timeout four times longer each try
+    (``VLLM_MEDIA_FETCH_MAX_RETRIES``, default 3: 3 s, 12 s, 48 s), which outlasts any render timeout;
+    one try keeps a slow URL the client's 400 instead of the coordinator's 504. A redirect may point
+    where the coordinator's address check never looked, so redirects are not followed unless private
+    addresses are allowed anyway (docs/multimodal.md)."""
+    return {"VLLM_IMAGE_FETCH_TIMEOUT": str(fetch_timeout_s), "VLLM_MEDIA_FETCH_MAX_RETRIES": "1",
+            "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1" if allow_private_urls else "0"}
+
+
 class RenderSidecar(VllmServer):
     """Our render server (``python -m render_sidecar.server``: vLLM's render entry point plus the
     parser-session cache, docs/parsers.md) or vLLM's own

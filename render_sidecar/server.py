@@ -21,7 +21,8 @@ changes one thing in it: the FastAPI app vLLM builds gets routes placed before i
 
 and the cache's counters on the existing ``/metrics``. Image placeholders in render's answers name
 only the positions the image's embeddings fill (``mm_placeholders.py``: vLLM 0.32 drops the mask
-that says which, and its ``/generate`` then kills the engine for many vision models).
+that says which, and its ``/generate`` then kills the engine for many vision models); an image URL
+that cannot be downloaded is a 422 naming it, not vLLM's empty 500 (``media_fetch.py``).
 
 Routes rather than a middleware: vLLM's app
 has already built its middleware stack (request metrics, error handling) when we get it, and a route
@@ -51,7 +52,7 @@ from coordinator.contracts.sidecar import (
     RESPONSES_CHAT_PATH,
     Capabilities,
 )
-from render_sidecar import mm_placeholders
+from render_sidecar import media_fetch, mm_placeholders
 from render_sidecar.messages import count_tokens_chat, messages_chat
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
 from render_sidecar.responses import responses_chat
@@ -219,6 +220,9 @@ def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:
     if not mm_placeholders.install():
         print("render_sidecar: this vLLM's render has no _extract_mm_features; image placeholders are "
               "sent as vLLM writes them", flush=True)
+    if not media_fetch.install():
+        print("render_sidecar: this vLLM has no MediaConnector.load_from_url_async; a failed image "
+              "download stays vLLM's 500", flush=True)
     cache = None
     if args.session_cache:
         from render_sidecar.stream_cache import check_vllm_shape

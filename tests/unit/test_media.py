@@ -95,7 +95,7 @@ async def test_a_bare_string_image_url_and_a_missing_url() -> None:
 
 
 def test_placeholders_narrow_to_their_embedding_run() -> None:
-    """Idefics3: <fake><global-img> 16×<image> <fake> → the 16 positions the embeddings fill."""
+    """Idefics3: <fake><global-img> 16 x <image> <fake> → the 16 positions the embeddings fill."""
     mask = [False, False] + [True] * 16 + [False]
     assert embed_run(24, 19, mask) == (26, 16)
     assert embed_run(24, 19, None) == (24, 19)            # a dense placeholder stays as it is
