@@ -52,8 +52,9 @@ from coordinator.contracts.sidecar import (
     RESPONSES_CHAT_PATH,
     Capabilities,
 )
-from render_sidecar import media_fetch, mm_placeholders
+from render_sidecar.media_fetch import install as install_media_fetch
 from render_sidecar.messages import count_tokens_chat, messages_chat
+from render_sidecar.mm_placeholders import install as install_narrowing
 from render_sidecar.prefix_hashes import RENDER_PATHS, HashingRenderRoute
 from render_sidecar.responses import responses_chat
 from render_sidecar.sessions import SessionCache
@@ -217,10 +218,10 @@ def install_routes(app: Any, cache: SessionCache | None) -> None:
 
 def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:
     """Wrap ``entry.build_app`` so the app it builds gets our routes and the cache's metrics."""
-    if not mm_placeholders.install():
+    if not install_narrowing():
         print("render_sidecar: this vLLM's render has no _extract_mm_features; image placeholders are "
               "sent as vLLM writes them", flush=True)
-    if not media_fetch.install():
+    if not install_media_fetch():
         print("render_sidecar: this vLLM has no MediaConnector.load_from_url_async; a failed image "
               "download stays vLLM's 500", flush=True)
     cache = None

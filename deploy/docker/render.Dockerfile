@@ -20,7 +20,8 @@ RUN useradd --uid 10001 --user-group --create-home --home-dir /home/render --she
 # Only the server modules of render_sidecar/ (the launcher needs the rest of the project).
 COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
      render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py \
-     render_sidecar/responses.py /opt/llmc/render_sidecar/
+     render_sidecar/responses.py render_sidecar/mm_placeholders.py render_sidecar/media_fetch.py \
+     /opt/llmc/render_sidecar/
 # The contracts the sidecar shares with the coordinator (block hash, routes), the only coordinator code it runs
 COPY coordinator/contracts /opt/llmc/coordinator/contracts
 ENV PYTHONPATH=/opt/llmc

@@ -47,7 +47,8 @@ LABEL org.opencontainers.image.title="llm-coordinator-render"
 USER root
 COPY render_sidecar/__init__.py render_sidecar/server.py render_sidecar/stream_cache.py \
      render_sidecar/sessions.py render_sidecar/prefix_hashes.py render_sidecar/messages.py \
-     render_sidecar/responses.py /opt/llmc/render_sidecar/
+     render_sidecar/responses.py render_sidecar/mm_placeholders.py render_sidecar/media_fetch.py \
+     /opt/llmc/render_sidecar/
 # The contracts the sidecar shares with the coordinator (block hash, routes), the only coordinator code it runs
 COPY coordinator/contracts /opt/llmc/coordinator/contracts
 ENV PYTHONPATH=/opt/llmc

@@ -92,7 +92,7 @@ def test_the_render_images_copy_every_module_the_server_imports() -> None:
 
     root = Path(__file__).resolve().parents[2]
     shipped = {"__init__.py", "server.py", "stream_cache.py", "sessions.py", "prefix_hashes.py", "messages.py",
-               "responses.py"}
+               "responses.py", "mm_placeholders.py", "media_fetch.py"}
     contracts = {p.stem for p in (root / "coordinator" / "contracts").glob("*.py")} - {"__init__"}
     for dockerfile in ("render.Dockerfile", "vllm-cpu.Dockerfile"):
         text = (root / "deploy" / "docker" / dockerfile).read_text()
