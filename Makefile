@@ -87,9 +87,10 @@ lint: venv
 # Every benchmark in perf/ (each writes perf/out/<name>/), then docs/benchmarks.md and docs/img/ from
 # their reports. Run it on a quiet machine: the figures are ratios, but a busy machine still skews them.
 BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost parser_chunking \
-              ab_native profile_mapper nnrp_latency nnrp_long_context topologies fleet_admission fairness lora
+              ab_native profile_mapper nnrp_latency nnrp_long_context topologies fleet_admission fairness lora \
+              multimodal
 
-bench: venv model
+bench: venv model vision-model
 	@set -e; for b in $(BENCHMARKS); do echo "== perf.$$b"; $(PY) -m perf.$$b; done
 	@echo "== perf.capacity --parser hermes"; $(PY) -m perf.capacity --parser hermes --tokens 1024
 	$(PY) -m perf.docs
