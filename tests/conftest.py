@@ -96,6 +96,30 @@ def render_sidecar(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
         render.stop()
 
 
+VISION = "smolvlm-tiny"
+VISION_MM_LIMIT = ["--limit-mm-per-prompt", '{"image": 3}']
+
+
+@pytest.fixture(scope="session")
+def vision_render(logs_dir: Path) -> Iterator[Any]:
+    """Our render sidecar of the tiny vision model (``token_engine.vision_prep``), booted once for every
+    image test, real engine or simulated: one image download try of 2 s, private URLs allowed (the
+    tests serve a slow image from loopback)."""
+    from render_sidecar.launch import RenderSidecar, media_env
+    from token_engine.vision_prep import ensure_vision_model
+
+    render = RenderSidecar(ensure_vision_model(), port=free_port(), served_model_name=VISION,
+                           max_model_len=MAX_MODEL_LEN, extra_args=VISION_MM_LIMIT,
+                           env_overrides=media_env(2, allow_private_urls=True),
+                           log_path=logs_dir / "vision-render.log", echo=_echo(), name="vision-render")
+    try:
+        render.start()
+        _ready(render)
+        yield render
+    finally:
+        render.stop()
+
+
 @pytest.fixture(scope="session")
 def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) -> Iterator[VllmStack]:
     """Render sidecar + token-only engine + native (scale-out) reference engine.

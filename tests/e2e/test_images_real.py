@@ -28,13 +28,11 @@ import pytest
 
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
-from tests.conftest import MAX_MODEL_LEN, SERVED, CoordinatorFactory, _echo, _ready
+from tests.conftest import MAX_MODEL_LEN, SERVED, VISION, VISION_MM_LIMIT, CoordinatorFactory, _echo, _ready
 from tests.support import free_port, reserved_port, sse_events, streamed_text
 
 pytestmark = pytest.mark.e2e
 
-VISION = "smolvlm-tiny"
-MM_LIMIT = ["--limit-mm-per-prompt", '{"image": 3}']
 BS = 16
 
 
@@ -46,30 +44,22 @@ class VisionStack:
 
 
 @pytest.fixture(scope="module")
-def vision(logs_dir: Path) -> Iterator[VisionStack]:
-    from render_sidecar.launch import RenderSidecar, media_env
+def vision(vision_render: Any, logs_dir: Path) -> Iterator[VisionStack]:
     from token_engine.launch import VllmEngine
     from token_engine.vision_prep import ensure_vision_model
 
-    folder = ensure_vision_model()
     port = reserved_port()
-    engine = VllmEngine(folder, port=free_port(), served_model_name=VISION, mode="scale-out",
+    engine = VllmEngine(ensure_vision_model(), port=free_port(), served_model_name=VISION, mode="scale-out",
                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "vision-engine.log", echo=_echo(),
-                        extra_args=MM_LIMIT, name="vision-engine",
+                        extra_args=VISION_MM_LIMIT, name="vision-engine",
                         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": f"tcp://*:{port}", "topic": "kv"})
-    render = RenderSidecar(folder, port=free_port(), served_model_name=VISION, max_model_len=MAX_MODEL_LEN,
-                           extra_args=MM_LIMIT, env_overrides=media_env(2, allow_private_urls=True),
-                           log_path=logs_dir / "vision-render.log", echo=_echo(), name="vision-render")
     try:
         engine.start()
-        render.start()
-        _ready(render)
         _ready(engine)
-        yield VisionStack(render, engine, f"tcp://127.0.0.1:{port}")
+        yield VisionStack(vision_render, engine, f"tcp://127.0.0.1:{port}")
     finally:
         engine.stop()
-        render.stop()
 
 
 def png(color: str, size: tuple[int, int] = (64, 48)) -> str:

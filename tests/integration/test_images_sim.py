@@ -18,27 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import MAX_MODEL_LEN, CoordinatorFactory, _echo, _ready
-from tests.support import LONG_HISTORY, free_port, served_by
+from tests.conftest import VISION, CoordinatorFactory
+from tests.support import LONG_HISTORY, served_by
 from token_engine.simulator import SimConfig, SimulatedEngine
-
-VISION = "smolvlm-tiny"
-
-
-@pytest.fixture(scope="module")
-def vision_render(logs_dir: Path) -> Iterator[Any]:
-    from render_sidecar.launch import RenderSidecar
-    from token_engine.vision_prep import ensure_vision_model
-
-    render = RenderSidecar(ensure_vision_model(), port=free_port(), served_model_name=VISION,
-                           max_model_len=MAX_MODEL_LEN, extra_args=["--limit-mm-per-prompt", '{"image": 4}'],
-                           log_path=logs_dir / "vision-render-sim.log", echo=_echo(), name="vision-render-sim")
-    try:
-        render.start()
-        _ready(render)
-        yield render
-    finally:
-        render.stop()
 
 
 @pytest.fixture
