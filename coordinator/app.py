@@ -53,6 +53,7 @@ from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import SidecarClient
 from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.dispatcher import Dispatcher
+from coordinator.pipeline.topology.encode import EncodeLeg
 from coordinator.pipeline.topology.trigger import TriggerBoard
 
 if TYPE_CHECKING:
@@ -231,7 +232,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                            engine_lengths=registry.max_model_lens,
                            prefix_block_size=None if prefix.source == "none" else prefix.block_size,
                            media=MediaPolicy(settings.media), media_hashes=prefix.media, native_route=native),
-        dispatcher=Dispatcher(engines, attempts, settings.topology, board),
+        dispatcher=Dispatcher(engines, attempts, settings.topology, board,
+                              EncodeLeg(engines, registry, attempts, settings.topology.encode, metrics)),
         derender=Derender(derenderer, settings.stream.queue_chunks,
                           Coalescing(settings.stream.coalesce, settings.stream.max_tokens_per_call,
                                      settings.stream.buffer_tokens)),

@@ -24,7 +24,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-EngineRole = Literal["union", "prefill", "decode"]
+EngineRole = Literal["union", "prefill", "decode", "encode"]
+PD_ROLES = ("prefill", "decode")
 PdProtocol = Literal["handoff", "trigger"]
 
 
@@ -188,7 +189,8 @@ class EngineSettings(_Section):
 
     url: str = Field(description="base URL of the engine's HTTP server, e.g. http://10.0.0.5:8200")
     role: EngineRole = Field(
-        default="union", description="union: prefills and decodes; prefill / decode: one leg of a P/D handoff"
+        default="union", description="union: prefills and decodes; prefill / decode: one leg of a P/D "
+        "handoff; encode: a vision encoder of encoder disaggregation (EPD, docs/multimodal.md)"
     )
     model: str | None = Field(default=None, description="served model name; null = any configured model")
     pd_protocol: PdProtocol = Field(
@@ -549,6 +551,22 @@ class TriggerSettings(_Section):
         return self
 
 
+class EncodeSettings(_Section):
+    """Encoder disaggregation (EPD): engines of role ``encode`` compute a prompt's image embeddings and
+    put them in the encoder-cache store their EC connector shares with the engines that answer."""
+
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="longest wait for an encode leg; past it (or on any encoder "
+        "error) the answering engine encodes the images itself",
+    )
+    reuse_ttl_s: float = Field(
+        default=600.0, ge=0, description="skip the encode leg when every image of the prompt was encoded "
+        "this recently (the answering engine loads it from the store, or encodes it itself if the "
+        "store dropped it); 0 = always encode",
+    )
+    reuse_entries: int = Field(default=100_000, ge=0, description="media hashes remembered for reuse_ttl_s")
+
+
 class TopologySettings(_Section):
     """Union (one engine per request) or P/D (prefill and decode engines: handoff or trigger)."""
 
@@ -572,6 +590,7 @@ class TopologySettings(_Section):
         description="sent on the prefill leg (NixlConnector convention)",
     )
     trigger: TriggerSettings = Field(default_factory=TriggerSettings)
+    encode: EncodeSettings = Field(default_factory=EncodeSettings)
 
 
 class ResilienceSettings(_Section):
@@ -864,7 +883,7 @@ class Settings(BaseSettings):
                     for d in self.discovery if d.dns_name is not None]
         for model in self.models:
             pd = [(name, proto) for name, m, role, proto in sources
-                  if role != "union" and (m is None or m == model.name)]
+                  if role in PD_ROLES and (m is None or m == model.name)]
             if len({proto for _, proto in pd}) > 1:
                 listed = ", ".join(f"{name} ({proto})" for name, proto in pd)
                 return (f"model {model.name!r} mixes handoff and trigger P/D engines, which cannot pair "
@@ -873,8 +892,8 @@ class Settings(BaseSettings):
 
     def uses_trigger(self) -> bool:
         """Whether any engine is a trigger P/D engine (the metaserver is started for them)."""
-        return any(e.role != "union" and e.pd_protocol == "trigger" for e in self.engines) or any(
-            d.role != "union" and d.pd_protocol == "trigger" for d in self.discovery if d.dns_name)
+        return any(e.role in PD_ROLES and e.pd_protocol == "trigger" for e in self.engines) or any(
+            d.role in PD_ROLES and d.pd_protocol == "trigger" for d in self.discovery if d.dns_name)
 
     @classmethod
     def settings_customise_sources(

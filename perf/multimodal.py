@@ -1,5 +1,5 @@
 """Conversations that re-send their image: media-aware KV affinity against media-blind hashing and
-round robin.
+round robin, and encoder disaggregation (EPD) against union at the same engine count.
 
 Why: every image has the same placeholder tokens, so a router that hashes token ids alone takes
 every conversation's image for every other's. It sees all engines holding "the same" prompt, places
@@ -12,10 +12,13 @@ Set-up, one run: ``--engines`` simulated engines (their prefix caches key image 
 an engine that gets more than its share queues) in a child process, the real render sidecar of the tiny
 vision model (``token_engine.vision_prep``), and one coordinator process per policy, each with fresh
 engines: ``media`` (the affinity preset; the default), ``text_only`` (the same, with
-``scheduling.prefix.media: false``: a media-blind router) and ``round_robin``. Load: ``--conversations``
+``scheduling.prefix.media: false``: a media-blind router), ``round_robin`` and ``epd`` (``media`` with
+the first engine an encode-only one and the others reading its encoder-cache store; every engine spends
+``--encode-ms`` per image token on an image it encodes itself). Load: ``--conversations``
 conversations, each opening with its own image and the same long question, then ``--turns`` - 1
 follow-ups that re-send the whole history; each round of turns arrives as Poisson at ``--rate``.
-The first turn of every conversation is the warm-up; the follow-ups are measured.
+The first turn of every conversation is the warm-up (its TTFT is reported apart: every image is new
+there, which is where EPD can help); the follow-ups are measured.
 
 Reported per policy: TTFT p50/p90/p99 of the follow-ups at the client and the engines' prefix-cache
 hit rate over them (their own counters), beside the oracle's (each follow-up finds its whole previous
@@ -36,6 +39,7 @@ import base64
 import io
 import json
 import random
+import shutil
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -50,7 +54,7 @@ from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "multimodal"
 VISION = "smolvlm-tiny"
-POLICIES = ("media", "text_only", "round_robin")
+POLICIES = ("media", "text_only", "round_robin", "epd")
 TARGET_TTFT = 3.0   # round robin's TTFT p90 at least this times ours
 TARGET_HIT = 0.9    # our prefix hit rate at least this times the oracle's
 BLOCK = 16
@@ -70,6 +74,7 @@ class Turn:
 class Run:
     policy: str
     turns: list[Turn] = field(default_factory=list)
+    first: list[Turn] = field(default_factory=list)   # the opening turns: every image is new
     hits: float = 0.0
     queries: float = 0.0
     oracle_hits: float = 0.0
@@ -77,7 +82,10 @@ class Run:
     def summary(self) -> dict[str, Any]:
         ok = [t for t in self.turns if t.status == 200 and t.ttft_s is not None]
         ttft = [t.ttft_s for t in ok if t.ttft_s is not None]
+        first = [t.ttft_s for t in self.first if t.status == 200 and t.ttft_s is not None]
         return {"policy": self.policy, "requests": len(self.turns), "failed": len(self.turns) - len(ok),
+                "first_ttft_p50_ms": round(pct(first, 50) * 1000, 1),
+                "first_ttft_p90_ms": round(pct(first, 90) * 1000, 1),
                 "ttft_p50_ms": round(pct(ttft, 50) * 1000, 1), "ttft_p90_ms": round(pct(ttft, 90) * 1000, 1),
                 "ttft_p99_ms": round(pct(ttft, 99) * 1000, 1),
                 "prefix_hit_rate": round(self.hits / self.queries, 3) if self.queries else 0.0,
@@ -152,7 +160,9 @@ async def conversations(url: str, args: argparse.Namespace, sims: list[str], say
                 histories[turn.conversation] += [
                     {"role": "assistant", "content": turn.text},
                     {"role": "user", "content": f"Tell me more about part {t + 1}."}]
-            if t > 0:
+            if t == 0:
+                run.first += done
+            else:
                 run.turns += done
                 run.hits += after[0] - before[0]
                 run.queries += after[1] - before[1]
@@ -174,11 +184,19 @@ async def cache_counts(client: httpx.AsyncClient, sims: list[str]) -> tuple[floa
     return hits, queries
 
 
-def engine_configs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [{"model": VISION, "seed": i, "vocab_size": 49156, "block_size": BLOCK, "capacity_blocks": 65536,
-             "prefill_s_per_token": args.prefill_ms / 1000, "decode_s_per_token": args.decode_ms / 1000,
-             "stream_interval": args.max_tokens, "max_concurrency": args.max_running}
-            for i in range(args.engines)]
+def engine_configs(args: argparse.Namespace, policy: str, store: Path) -> list[dict[str, Any]]:
+    """Every engine encodes the images it must (``--encode-ms`` per image token); under ``epd`` the
+    first is an encode-only engine and the others read its store (ECExampleConnector's layout)."""
+    configs: list[dict[str, Any]] = [
+        {"model": VISION, "seed": i, "vocab_size": 49156, "block_size": BLOCK, "capacity_blocks": 65536,
+         "prefill_s_per_token": args.prefill_ms / 1000, "decode_s_per_token": args.decode_ms / 1000,
+         "encode_s_per_image_token": args.encode_ms / 1000,
+         "stream_interval": args.max_tokens, "max_concurrency": args.max_running}
+        for i in range(args.engines)]
+    if policy == "epd":
+        for i, c in enumerate(configs):
+            c.update(ec_role="ec_producer" if i == 0 else "ec_consumer", ec_storage_path=str(store))
+    return configs
 
 
 def coordinator_config(policy: str, render_url: str, urls: list[str]) -> dict[str, Any]:
@@ -186,13 +204,17 @@ def coordinator_config(policy: str, render_url: str, urls: list[str]) -> dict[st
                                   "prefix": {"block_size": BLOCK, "media": policy != "text_only"}}
     return {"render": {**render_config([render_url]), "timeout_s": 30},
             "models": [{"name": VISION, "max_model_len": 2048}],
-            "engines": [{"url": u} for u in urls], "engine_client": {"health_interval_s": 1.0},
+            "engines": [{"url": u, "role": "encode" if policy == "epd" and i == 0 else "union"}
+                        for i, u in enumerate(urls)],
+            "engine_client": {"health_interval_s": 1.0},
             "scheduling": scheduling, "resilience": {"retries": 2}}
 
 
 def run_policy(policy: str, args: argparse.Namespace, render_url: str, say: Progress, out_dir: Path) -> Run:
+    store = out_dir / f"ec-store-{policy}"
+    shutil.rmtree(store, ignore_errors=True)
     with ExitStack() as stack:
-        urls, _ = stack.enter_context(sim_engines(engine_configs(args)))
+        urls, _ = stack.enter_context(sim_engines(engine_configs(args, policy, store)))
         coord = stack.enter_context(CoordinatorProcess(coordinator_config(policy, render_url, urls),
                                                        log_path=out_dir / f"coordinator-{policy}.log"))
         say(f"{policy}: {args.conversations} conversations x {args.turns} turns over {args.engines} engines")
@@ -207,7 +229,7 @@ def plot(runs: dict[str, Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"media": "tab:blue", "text_only": "tab:red", "round_robin": "tab:orange"}
+    colors = {"media": "tab:blue", "text_only": "tab:red", "round_robin": "tab:orange", "epd": "tab:green"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for policy, run in runs.items():
         ttft = sorted(t.ttft_s * 1000 for t in run.turns if t.ttft_s is not None)
@@ -233,28 +255,41 @@ def headline(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     vs_blind = blind["ttft_p90_ms"] / ours["ttft_p90_ms"] if ours["ttft_p90_ms"] else float("nan")
     hit = ours["prefix_hit_rate"] / ours["oracle_hit_rate"] if ours["oracle_hit_rate"] else float("nan")
     failed = sum(s["failed"] for s in summaries.values())
+    epd = summaries["epd"]
     return {"benchmark": NAME, "ttft_p90_vs_round_robin": round(vs_rr, 2),
             "ttft_p90_vs_text_only": round(vs_blind, 2), "hit_vs_oracle": round(hit, 3), "failed": failed,
+            "epd_first_ttft_p90_vs_union": _ratio(ours["first_ttft_p90_ms"], epd["first_ttft_p90_ms"]),
+            "epd_followup_ttft_p90_vs_union": _ratio(ours["ttft_p90_ms"], epd["ttft_p90_ms"]),
             "targets_met": bool(vs_rr >= TARGET_TTFT and hit >= TARGET_HIT and failed == 0)}
+
+
+def _ratio(union_ms: float, epd_ms: float) -> float:
+    """Union's TTFT over EPD's: above 1, EPD answered sooner."""
+    return round(union_ms / epd_ms, 2) if epd_ms else float("nan")
 
 
 def markdown(args: argparse.Namespace, summaries: dict[str, dict[str, Any]], head: dict[str, Any]) -> str:
     rows = "\n".join(f"| {s['policy']} | {s['requests']} | {s['failed']} | {s['ttft_p50_ms']} | "
                      f"{s['ttft_p90_ms']} | {s['ttft_p99_ms']} | {s['prefix_hit_rate']} | "
-                     f"{s['oracle_hit_rate']} |" for s in summaries.values())
+                     f"{s['oracle_hit_rate']} | {s['first_ttft_p50_ms']} | {s['first_ttft_p90_ms']} |"
+                     for s in summaries.values())
     return f"""# Images: media-aware affinity vs a media-blind router vs round robin
 
 {args.engines} simulated engines ({args.prefill_ms:g} ms per uncached prompt token, {args.max_running}
 running at once), the real render sidecar of the tiny vision model, {args.conversations} conversations
 each opening with its own image and the same long question, {args.turns} turns each (the first is the
-warm-up), {args.rate:g} requests/s per round, {args.max_tokens} output tokens.
+warm-up), {args.rate:g} requests/s per round, {args.max_tokens} output tokens, {args.encode_ms:g} ms of
+vision encoder per image token. "1st": TTFT of the opening turns, whose images are all new.
 
-| policy | follow-ups | failed | TTFT p50 ms | p90 ms | p99 ms | prefix hit rate | oracle |
-|---|---|---|---|---|---|---|---|
+| policy | follow-ups | failed | TTFT p50 ms | p90 ms | p99 ms | hit rate | oracle | 1st p50 | 1st p90 |
+|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 - TTFT p90, round robin / media-aware: **{head['ttft_p90_vs_round_robin']}** (target ≥ {TARGET_TTFT})
 - TTFT p90, media-blind / media-aware: **{head['ttft_p90_vs_text_only']}** (reported)
+- EPD (1 encode engine + {args.engines - 1} answering, media-aware) against union ({args.engines} engines,
+  media-aware), union TTFT p90 / EPD's: opening turns (new images) **{head['epd_first_ttft_p90_vs_union']}**,
+  follow-ups **{head['epd_followup_ttft_p90_vs_union']}** (reported; above 1 EPD is faster)
 - prefix hit rate, media-aware / oracle: **{head['hit_vs_oracle']}** (target ≥ {TARGET_HIT})
 - targets met: **{head['targets_met']}**
 
@@ -270,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=12.0, help="requests per second within a round (Poisson)")
     ap.add_argument("--prefill-ms", type=float, default=1.0, help="simulated ms per uncached prompt token")
     ap.add_argument("--decode-ms", type=float, default=25.0, help="simulated ms per output token")
+    ap.add_argument("--encode-ms", type=float, default=5.0,
+                    help="simulated vision-encoder ms per image placeholder token (19 per image)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-running", type=int, default=2, help="requests an engine runs at once (more wait)")
     ap.add_argument("--seed", type=int, default=7)

@@ -37,7 +37,8 @@ class VllmEngine(VllmServer):
     """``python -m vllm.entrypoints.launchers.api_server.entry --model DIR ...``.
 
     On CPU it adds ``--dtype float32 --enforce-eager`` and ``VLLM_CPU_KVCACHE_SPACE``; on GPU neither
-    (see ``token_engine.vllm_env``). ``kv_transfer_config`` / ``kv_events_config`` are passed as JSON,
+    (see ``token_engine.vllm_env``). ``kv_transfer_config`` / ``kv_events_config`` /
+    ``ec_transfer_config`` (``ec_store_config``) are passed as JSON,
     e.g. ``{"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config":
     {"shared_storage_path": DIR}}`` for P/D on CPU or ``{"kv_connector": "NixlConnector", ...}`` on GPU.
     """
@@ -55,6 +56,7 @@ class VllmEngine(VllmServer):
         enable_log_requests: bool = True,
         kv_transfer_config: Mapping[str, Any] | None = None,
         kv_events_config: Mapping[str, Any] | None = None,
+        ec_transfer_config: Mapping[str, Any] | None = None,
         extra_args: Sequence[str] = (),
         log_path: str | os.PathLike[str] | None = None,
         echo: bool = True,
@@ -78,6 +80,7 @@ class VllmEngine(VllmServer):
         self.max_model_len = max_model_len
         self.enable_log_requests = enable_log_requests
         self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config is not None else None
+        self.ec_transfer_config = dict(ec_transfer_config) if ec_transfer_config is not None else None
         self.kv_events_config = dict(kv_events_config) if kv_events_config is not None else None
         self.kvcache_space_gib = kvcache_space_gib
 
@@ -92,9 +95,19 @@ class VllmEngine(VllmServer):
             argv.append("--enable-log-requests")
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
+        if self.ec_transfer_config is not None:
+            argv += ["--ec-transfer-config", json.dumps(self.ec_transfer_config, separators=(",", ":"))]
         if self.kv_events_config is not None:
             argv += ["--kv-events-config", json.dumps(self.kv_events_config, separators=(",", ":"))]
         return argv + list(self.extra_args)
 
     def build_env(self) -> dict[str, str]:
         return vllm_env(cpu=self.cpu, kvcache_space_gib=self.kvcache_space_gib, overrides=self.env_overrides)
+
+
+def ec_store_config(role: str, store: str | os.PathLike[str]) -> dict[str, Any]:
+    """vLLM's ``--ec-transfer-config`` for encoder disaggregation over a shared directory
+    (ECExampleConnector, the connector vLLM 0.32 ships that runs on CPU): ``ec_producer`` for an
+    encode engine, ``ec_consumer`` for the engines that answer."""
+    return {"ec_connector": "ECExampleConnector", "ec_role": role,
+            "ec_connector_extra_config": {"shared_storage_path": str(store)}}

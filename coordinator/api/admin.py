@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from coordinator.api.admin_lora import build_lora_router, residency
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.openai.errors import error_response
-from coordinator.config import EngineSettings
+from coordinator.config import PD_ROLES, EngineSettings
 from coordinator.pipeline.admission.controller import AdmissionController
 from coordinator.pipeline.admission.tenants import DEFAULT
 from coordinator.pipeline.catalog import ModelCatalog
@@ -107,7 +107,7 @@ def build_admin_router(registry: EngineRegistry, admission: AdmissionController,
                 raise BadRequest(f"Invalid engine list: {exc.errors()[0]['msg']}", param="engines") from None
             mixed = registry.settings.mixed_pd_protocols(items)
             if mixed is None and not registry.settings.uses_trigger() and any(
-                    e.role != "union" and e.pd_protocol == "trigger" for e in items):
+                    e.role in PD_ROLES and e.pd_protocol == "trigger" for e in items):
                 mixed = ("trigger P/D engines need the metaserver, which starts only when trigger engines "
                          "are configured at start-up")
             if mixed is not None:

@@ -125,6 +125,10 @@ class Metrics:
                                  "(containers and hash objects)", ["index"], registry=r)
         self.handoffs = Counter("coordinator_pd_decisions", "Topology used per engine request",
                                 ["path"], registry=r)
+        self.encode_legs = Counter(
+            "coordinator_encode_legs", "Prompts with images under encoder disaggregation, by what ran: "
+            "encoded (an encode engine), reused (encoded recently: the store has it), fallback (no encode "
+            "engine or it failed: the answering engine encodes)", ["outcome"], registry=r)
         self.trigger_callbacks = Counter("coordinator_trigger_callbacks", "Metaserver callbacks of "
                                          "trigger decode engines, by the HTTP status answered", ["status"],
                                          registry=r)

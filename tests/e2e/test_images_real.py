@@ -41,24 +41,38 @@ class VisionStack:
     render: Any
     engine: Any        # --enable-scale-out: the coordinator's engine and the native reference
     kv_events: str     # its ZMQ publisher
+    encoder: Any       # an encode-only engine (EPD) writing into ``store``, which ``engine`` reads
+    store: Path
 
 
 @pytest.fixture(scope="module")
-def vision(vision_render: Any, logs_dir: Path) -> Iterator[VisionStack]:
-    from token_engine.launch import VllmEngine
+def vision(vision_render: Any, logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VisionStack]:
+    """The answering engine is an EC consumer: an image the store lacks it encodes itself, so it also
+    serves every test that has no encode engine."""
+    from token_engine.launch import VllmEngine, ec_store_config
     from token_engine.vision_prep import ensure_vision_model
 
     port = reserved_port()
-    engine = VllmEngine(ensure_vision_model(), port=free_port(), served_model_name=VISION, mode="scale-out",
+    store = tmp_path_factory.mktemp("ec-store")
+    model = ensure_vision_model()
+    engine = VllmEngine(model, port=free_port(), served_model_name=VISION, mode="scale-out",
                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "vision-engine.log", echo=_echo(),
                         extra_args=VISION_MM_LIMIT, name="vision-engine",
+                        ec_transfer_config=ec_store_config("ec_consumer", store),
                         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": f"tcp://*:{port}", "topic": "kv"})
+    encoder = VllmEngine(model, port=free_port(), served_model_name=VISION, mode="scale-out",
+                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "vision-encoder.log", echo=_echo(),
+                         extra_args=VISION_MM_LIMIT, name="vision-encoder",
+                         ec_transfer_config=ec_store_config("ec_producer", store))
     try:
         engine.start()
+        encoder.start()
         _ready(engine)
-        yield VisionStack(vision_render, engine, f"tcp://127.0.0.1:{port}")
+        _ready(encoder)
+        yield VisionStack(vision_render, engine, f"tcp://127.0.0.1:{port}", encoder, store)
     finally:
+        encoder.stop()
         engine.stop()
 
 
@@ -252,3 +266,57 @@ async def _until(cond: Any, within: float) -> bool:
             return True
         await asyncio.sleep(0.05)
     return bool(cond())
+
+
+def _served(engine: Any) -> float:
+    """Requests an engine finished (its /metrics)."""
+    text = httpx.get(f"{engine.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def _image_hashes(vision: VisionStack, body: dict[str, Any]) -> list[str]:
+    r = httpx.post(f"{vision.render.url}/v1/chat/completions/render", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return list(r.json()["features"]["mm_hashes"]["image"])
+
+
+def test_an_encode_engine_encodes_the_images_once_and_the_answer_stays_native(
+        vision: VisionStack, coordinator_factory: CoordinatorFactory) -> None:
+    """EPD on real vLLM (ECExampleConnector): the encode engine encodes a prompt's images once into
+    the store, the answering engine reads them from there, and the text is the one the answering
+    engine gives when it encodes them itself; with the encode engine gone, requests are still answered."""
+    coord = coordinator_factory(str(vision.render.url), [], models=[{"name": VISION}],
+                                engines=[{"url": vision.encoder.url, "role": "encode"}, {"url": vision.engine.url}],
+                                engine_client={"health_interval_s": 0.5})
+    body = chat(png("coral"), png("khaki", (96, 64)))
+    # The reference first, salted so that no later prompt hits its KV: the store has no such image yet,
+    # so the engine encodes them itself.
+    expected, usage = answer(vision.engine.url, {**body, "cache_salt": "reference"})
+    encoded_before = _served(vision.encoder)
+    text, ours = answer(coord.url, body)
+    assert text == expected and ours["prompt_tokens"] == usage["prompt_tokens"]
+    r = post(coord.url, {**body, "stream": True})
+    assert streamed_text(sse_events(r))[0] == expected
+    # One encode for both requests (the second found its images encoded), into the store by hash.
+    assert _served(vision.encoder) - encoded_before == 1
+    hashes = _image_hashes(vision, body)
+    assert all((vision.store / h / "encoder_cache.safetensors").exists() for h in hashes)
+
+    # The answering engine really reads the store: an image it never saw, whose entry holds the
+    # coral image's embedding, is answered as the coral one is.
+    coral, _ = answer(coord.url, chat(png("coral")))
+    [lime] = _image_hashes(vision, chat(png("lime")))
+    (vision.store / lime).mkdir()
+    (vision.store / lime / "encoder_cache.safetensors").write_bytes(
+        (vision.store / hashes[0] / "encoder_cache.safetensors").read_bytes())
+    assert answer(vision.engine.url, {**chat(png("lime")), "cache_salt": "swap"})[0] == coral
+
+    # No encode engine reachable: the answering engine encodes, the answer is the same.
+    gone = coordinator_factory(str(vision.render.url), [], models=[{"name": VISION}],
+                               engines=[{"url": f"http://127.0.0.1:{free_port()}", "role": "encode"},
+                                        {"url": vision.engine.url}])
+    body = chat(png("indigo"))
+    expected, _ = answer(vision.engine.url, {**body, "cache_salt": "reference"})
+    assert answer(gone.url, body)[0] == expected
+    assert not (vision.store / _image_hashes(vision, body)[0] / "encoder_cache.safetensors").exists()

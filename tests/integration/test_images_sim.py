@@ -110,7 +110,7 @@ def test_multimodal_benchmark_quick(vision_render: Any, tmp_path: Path, monkeypa
     head = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])
     assert head["benchmark"] == "multimodal" and head["failed"] == 0
     runs = {r["policy"]: r for r in json.loads((tmp_path / "multimodal" / "result.json").read_text())["runs"]}
-    assert set(runs) == {"media", "text_only", "round_robin"}
+    assert set(runs) == {"media", "text_only", "round_robin", "epd"}
     assert all(r["requests"] == 4 for r in runs.values())    # --quick: 4 conversations, 1 follow-up each
     assert runs["media"]["prefix_hit_rate"] > 0
     assert (tmp_path / "multimodal" / "multimodal.png").stat().st_size > 0

@@ -145,3 +145,23 @@ def test_simulated_engine_blocks_are_the_coordinators_media_hashes() -> None:
     seed = chain_seed("m")
     assert index.match(block_hashes(ids, 16, seed, media=prompt_media(features))) == {"e": 16}
     assert index.match(block_hashes(ids, 16, seed, media=prompt_media(other))) == {"e": 5}
+
+
+def test_the_encode_leg_sends_only_images_it_can_encode_and_asks_for_one_step() -> None:
+    """EPD: images whose pixels the request carries go to the encoder (an item render left to a cache,
+    ``None``, cannot be encoded there); the encoder is asked for one non-streamed step with nothing
+    else to compute, and the request the answering engine gets is left as it was."""
+    from coordinator.pipeline.topology.encode import encode_body, media_hashes
+
+    features = {"mm_hashes": {"image": ["a", "b"]}, "kwargs_data": {"image": ["px", None]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": 19}, {"offset": 30, "length": 19}]}}
+    generate: Any = {"request_id": "r", "token_ids": [1] * 60, "features": features, "stream": True,
+                     "sampling_params": {"max_tokens": 200, "n": 2, "logprobs": 3, "min_tokens": 5,
+                                         "structured_outputs": {"json": {}}, "temperature": 0.7},
+                     "kv_transfer_params": {"do_remote_decode": True}}
+    assert media_hashes(generate) == ["a"]
+    assert media_hashes({**generate, "features": None}) == [] and media_hashes({"request_id": "r"}) == []
+    body = encode_body(generate)
+    assert body["sampling_params"] == {"max_tokens": 1, "n": 1, "temperature": 0.7}
+    assert body["stream"] is False and body["kv_transfer_params"] is None and body["features"] is features
+    assert generate["sampling_params"]["max_tokens"] == 200 and generate["stream"] is True

@@ -38,6 +38,15 @@ def _kv_events_config(text: str) -> dict[str, Any]:
     }
 
 
+def _ec_transfer_config(text: str) -> dict[str, Any]:
+    """vLLM's `--ec-transfer-config` JSON as SimConfig fields (ECExampleConnector only)."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or raw.get("ec_connector") != "ECExampleConnector":
+        raise argparse.ArgumentTypeError("--ec-transfer-config: only ECExampleConnector is simulated")
+    extra = raw.get("ec_connector_extra_config") or {}
+    return {"ec_role": raw.get("ec_role"), "ec_storage_path": extra.get("shared_storage_path", "/tmp")}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, SimConfig]:
     p = argparse.ArgumentParser(prog="python -m token_engine.simulator", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -68,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         help='vLLM\'s flag, e.g. \'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
         '"topic":"kv"}\'',
     )
+    p.add_argument("--ec-transfer-config", type=_ec_transfer_config, default=None,
+                   help='vLLM\'s flag, e.g. \'{"ec_connector":"ECExampleConnector","ec_role":"ec_producer",'
+                   '"ec_connector_extra_config":{"shared_storage_path":"/tmp/ec"}}\'')
+    p.add_argument("--encode-us-per-token", type=float, default=None,
+                   help="vision-encoder microseconds per image placeholder token")
     p.add_argument("--kv-lease-s", type=float, default=None, help="NixlConnector kv_lease_duration")
     p.add_argument(
         "--advertise-peer-url",
@@ -101,10 +115,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "seed": args.seed,
         "kv_lease_s": args.kv_lease_s,
         "advertise_peer_url": args.advertise_peer_url,
+        "encode_s_per_image_token": None if args.encode_us_per_token is None
+        else args.encode_us_per_token / 1e6,
     }
     base.update({k: v for k, v in overrides.items() if v is not None})
     if args.kv_events_config is not None:
         base.update(args.kv_events_config)
+    if args.ec_transfer_config is not None:
+        base.update(args.ec_transfer_config)
     if args.max_concurrency is not None:
         base.setdefault("max_num_seqs", args.max_concurrency)
     return args, SimConfig(**base)

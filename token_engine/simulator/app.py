@@ -137,6 +137,8 @@ def _received(request: GenerateRequest, raw: Request) -> dict[str, Any]:
             "sampling_params": {"max_tokens": sp.max_tokens, "n": sp.n, "min_tokens": sp.min_tokens},
             "kv_transfer_params": request.kv_transfer_params
             or (sp.extra_args or {}).get("kv_transfer_params"),
+            "ec_transfer_params": request.ec_transfer_params,
+            "media": [h for h, _, _ in media_items(request.features)],
             "traceparent": raw.headers.get("traceparent")}
 
 
@@ -305,6 +307,7 @@ class SimServer:
             usage=usage,
             prompt_token_ids=list(req.prompt) if request.return_token_ids else None,
             kv_transfer_params=req.response_kv_transfer_params,
+            ec_transfer_params=req.response_ec_transfer_params,
             choices=choices,
         )
         return JSONResponse(content=response.model_dump())

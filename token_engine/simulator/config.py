@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 OutputMode = Literal["echo", "script", "random", "context"]
 KvRole = Literal["prefill", "decode", "both"]
+EcRole = Literal["ec_producer", "ec_consumer", "ec_both"]
 StreamOrder = Literal["sequential", "interleaved"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -125,6 +126,16 @@ class SimConfig(BaseModel):
     """Add `sim_peer_url` (the URL the request came in on) to a prefill's kv_transfer_params, so a decode
     simulator can release the pinned blocks with `POST /sim/kv_transfer/consume`. Off by default: the
     wire then stays exactly vLLM's."""
+
+    # --- encoder disaggregation (vLLM's --ec-transfer-config with ECExampleConnector) ---
+    encode_s_per_image_token: float = Field(default=0.0, ge=0.0)
+    """Vision-encoder time per placeholder token of an image the engine encodes (part of its prefill)."""
+    ec_role: EcRole | None = None
+    """ec_producer: an encode-only engine (encodes, stores, answers no tokens); ec_consumer: loads an
+    image's embedding from the store when it is there instead of encoding it; ec_both: both."""
+    ec_storage_path: str | None = None
+    """ECExampleConnector's ``shared_storage_path``: ``<path>/<mm_hash>/encoder_cache.safetensors``. The
+    simulator writes empty marker files there (not embeddings: never share a store with real engines)."""
 
     # --- LoRA (vLLM's --enable-lora; lora.py) ---
     enable_lora: bool = False

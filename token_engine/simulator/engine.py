@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .config import SimConfig
@@ -90,6 +91,7 @@ class SimRequest:
     num_cached_tokens: int = 0
     choices: list[ChoiceState] = field(default_factory=list)
     response_kv_transfer_params: dict[str, Any] | None = None
+    response_ec_transfer_params: dict[str, Any] | None = None
     peer_notified: bool = False
     kv_pushed: bool = False
     """Trigger prefill side: the done (or failed) message went to the decode engine."""
@@ -257,9 +259,14 @@ class SimEngine:
         # Prefill: cost of the uncached prompt tail (a NIXL remote prefill leaves only the last token).
         if req.lora is not None:  # scheduled: the adapter's weights go into a LoRA slot
             await self.loras.warm(req.lora)
+        if self.encode_only:
+            async for delta in self._encode_only(req):
+                yield delta
+            return
         cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora, media=req.media)
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
+        encode_s = self._encode_s(req, cached)
         if self._is_trigger_decode(req):
             loaded = await self._await_remote_kv(req, cached)
             if loaded is None:
@@ -276,7 +283,7 @@ class SimEngine:
         remote_cached = (req.kv_transfer_params or {}).get("remote_prefill_cached_tokens")
         if (req.kv_transfer_params or {}).get("do_remote_prefill") and isinstance(remote_cached, int):
             req.num_cached_tokens = remote_cached  # OutputProcessor reports the P side's hits
-        if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached):
+        if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached + encode_s):
             return
         self.prefix_cache.insert(req.prompt, req.cache_salt,
                                  (req.lora, self.loras.adapter_id(req.lora)) if req.lora else None, req.media)
@@ -320,6 +327,43 @@ class SimEngine:
                 return
             if await self._sleep(req, cfg.decode_s_per_token):
                 return
+
+    # -- encoder disaggregation (ECExampleConnector's shared store) -------------------------------
+    @property
+    def encode_only(self) -> bool:
+        """vLLM's ``is_encode_only``: a producer that is not also a consumer runs no language model."""
+        return self.config.ec_role == "ec_producer"
+
+    def _ec_file(self, mm_hash: str) -> Path:
+        return Path(self.config.ec_storage_path or "/tmp") / mm_hash / "encoder_cache.safetensors"
+
+    def _encode_s(self, req: SimRequest, cached: int) -> float:
+        """Encoder time of the images this engine must encode: not those whose placeholders are all in
+        the prefix cache (vLLM skips them), nor, on a consumer, those the store holds (it loads them)."""
+        consumer = self.config.ec_role in ("ec_consumer", "ec_both")
+        tokens = sum(length for h, off, length in req.media
+                     if off + length > cached and not (consumer and self._ec_file(h).exists()))
+        return tokens * self.config.encode_s_per_image_token
+
+    async def _encode_only(self, req: SimRequest) -> AsyncIterator[ChoiceDelta]:
+        """An encode-only engine: encode every image, store it, answer no tokens, and report
+        ``ec_transfer_params`` as ECExampleConnector does (media hash -> its item indices)."""
+        tokens = sum(length for _, _, length in req.media)
+        if await self._sleep(req, tokens * self.config.encode_s_per_image_token):
+            return
+        params: dict[str, Any] = {}
+        for i, (h, _, _) in enumerate(req.media):
+            path = self._ec_file(h)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            params.setdefault(h, {"item_indices": [], "metadata": {}})["item_indices"].append(i)
+        req.response_ec_transfer_params = params or None
+        self.stats.prompt_tokens += len(req.prompt)
+        for choice in req.choices:
+            choice.finish_reason = "stop"
+            choice.queue.append(self._flush(choice))
+        for delta in self._drain(req):
+            yield delta
 
     def _stop_sets(self, sp: SamplingParams) -> tuple[frozenset[int], frozenset[int]]:
         """(ids that stop with stop_reason=<id>, ids masked before min_tokens)."""

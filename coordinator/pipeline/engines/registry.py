@@ -18,7 +18,7 @@ from typing import Literal
 import httpx
 from pydantic import SecretStr
 
-from coordinator.config import EngineRole, EngineSettings, PdProtocol, Settings
+from coordinator.config import PD_ROLES, EngineRole, EngineSettings, PdProtocol, Settings
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.adapters import Residency
 from coordinator.pipeline.engines.breaker import BreakerState, CircuitBreaker
@@ -97,7 +97,7 @@ class EngineRegistry:
     def pd_protocol(self, model: str) -> PdProtocol:
         """The P/D protocol of ``model``'s prefill and decode engines (the config allows only one)."""
         for e in self.engines:
-            if e.role != "union" and e.serves(model) and not e.removed:
+            if e.role in PD_ROLES and e.serves(model) and not e.removed:
                 return e.pd_protocol
         return "handoff"
 

@@ -124,8 +124,8 @@ class Scheduler:
         """Whether any engine that may run ``model``'s output (union or decode, whatever its state
         right now) can do what ``needs`` names: without one the request can never be served (a
         client error naming the field), with one it waits or gets a 503 like any other."""
-        return not needs or any(e.role != "prefill" and e.serves(model) and not e.removed and e.can_all(needs)
-                                for e in self._registry.engines)
+        return not needs or any(e.role in ("union", "decode") and e.serves(model) and not e.removed
+                                and e.can_all(needs) for e in self._registry.engines)
 
     def place(self, req: SchedRequest) -> Placement | None:
         """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine. The

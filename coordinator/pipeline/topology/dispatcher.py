@@ -21,18 +21,20 @@ from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.errors import BadRequest
 from coordinator.pipeline.structured import constraint_field
 from coordinator.pipeline.topology.attempts import Attempts
+from coordinator.pipeline.topology.encode import EncodeLeg
 from coordinator.pipeline.topology.engine_stream import EngineStream
 from coordinator.pipeline.topology.opening import AttemptOpener
 from coordinator.pipeline.topology.trigger import TriggerBoard
 
 
 class Dispatcher:
-    """The token-only topologies (union, handoff, trigger) over the shared attempt rules (``Attempts``)."""
+    """The token-only topologies (union, handoff, trigger, each after an optional encode leg) over the
+    shared attempt rules (``Attempts``)."""
 
     def __init__(self, client: EngineClient, attempts: Attempts, topology: TopologySettings,
-                 board: TriggerBoard | None = None) -> None:
+                 board: TriggerBoard | None = None, encoder: EncodeLeg | None = None) -> None:
         self._attempts = attempts
-        self._opener = AttemptOpener(client, attempts, topology, board)
+        self._opener = AttemptOpener(client, attempts, topology, board, encoder)
 
     # -- public: what the pipeline calls ----------------------------------------------------------
     async def generate(self, ctx: RequestContext, plan: PromptPlan) -> GenerateResponse:

@@ -1,5 +1,6 @@
-"""Opening one attempt of a prompt: admit it, then let its placement's unit (union / handoff or
-trigger legs) open the engine stream or run the request.
+"""Opening one attempt of a prompt: admit it, run the encode leg when the model has encode engines
+(EPD, ``encode.py``), then let its placement's unit (union / handoff or trigger legs) open the engine
+stream or run the request.
 
 Admission is entered here, once per attempt, because each attempt needs its own grant: a retry
 before the first chunk, or a relay after it, goes to another engine with the tokens that engine's
@@ -21,6 +22,7 @@ from coordinator.pipeline.engines.capabilities import needs_of
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.topology.attempts import Attempts
+from coordinator.pipeline.topology.encode import EncodeLeg
 from coordinator.pipeline.topology.handoff import HandoffLegs
 from coordinator.pipeline.topology.legs import Legs, attempt_id
 from coordinator.pipeline.topology.trigger import PrefillLegFailed, TriggerBoard, TriggerLegs
@@ -31,9 +33,10 @@ class AttemptOpener:
     admission, and which legs run it."""
 
     def __init__(self, client: EngineClient, attempts: Attempts, topology: TopologySettings,
-                 board: TriggerBoard | None = None) -> None:
+                 board: TriggerBoard | None = None, encoder: EncodeLeg | None = None) -> None:
         self._client = client
         self._attempts = attempts
+        self._encoder = encoder
         self._handoff: Legs = HandoffLegs(client, attempts, topology)
         self._trigger: Legs = TriggerLegs(client, attempts, topology, board)
 
@@ -66,6 +69,7 @@ class AttemptOpener:
         stack = contextlib.AsyncExitStack()
         try:
             rid = attempt_id(generate["request_id"])
+            generate = await self._encode(generate, req)
             chunks, leg = await self._legs(grant).stream(stack, grant, generate, req, rid, ctx.include_usage)
             return grant, stack, chunks, leg
         except BaseException as exc:
@@ -83,6 +87,7 @@ class AttemptOpener:
         stack = contextlib.AsyncExitStack()
         try:
             rid = attempt_id(generate["request_id"])
+            generate = await self._encode(generate, req)
             return await self._legs(grant).generate(stack, grant, generate, req, rid)
         except BaseException as exc:
             cause = _cause(exc)
@@ -93,6 +98,10 @@ class AttemptOpener:
         finally:
             await stack.aclose()
             self._attempts.release(grant)
+
+    async def _encode(self, generate: GenerateRequest, req: SchedRequest) -> GenerateRequest:
+        """EPD: the prompt's images go to an encode engine first (never fails the attempt)."""
+        return generate if self._encoder is None else await self._encoder.prime(generate, req)
 
     def _legs(self, grant: Grant) -> Legs:
         return self._trigger if grant.placement.trigger else self._handoff
