@@ -40,7 +40,7 @@ from coordinator.config import DiscoverySettings, Settings
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("union", "pd", "cpu", "fleet", "fleet-external-redis")
+OVERLAYS = ("union", "pd", "epd", "cpu", "fleet", "fleet-external-redis")
 
 # The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
 # restartPolicy Always) are GA there. Validation uses this version's strict schemas (unknown fields
@@ -505,10 +505,47 @@ def check_kv_transfer(f: Fleet, s: Settings) -> Iterator[str]:
         yield f"[kv-transfer] prefill and decode engines use different connectors: {connectors}"
 
 
+def _store_claim(e: Engines, path: str) -> str | None:
+    """The PersistentVolumeClaim an engine container mounts at ``path`` (None: not a claim)."""
+    mount = next((m for m in e.container.get("volumeMounts") or [] if m.get("mountPath") == path), None)
+    if mount is None:
+        return None
+    volume: Obj = next((v for v in e.pod.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+    claim = volume.get("persistentVolumeClaim") or {}
+    return claim.get("claimName")
+
+
+def check_ec_transfer(f: Fleet, s: Settings) -> Iterator[str]:
+    """With encode engines (EPD): they are EC producers, the engines that answer are consumers of the
+    same connector, and a shared-directory store is one claim mounted at one path on all of them."""
+    if not any(d.role == "encode" for d in s.discovery):
+        return
+    stores: dict[str, tuple[str, str | None]] = {}
+    for d in s.discovery:
+        want = ("ec_producer",) if d.role == "encode" else ("ec_consumer", "ec_both")
+        for e in _behind(f, d):
+            raw = flag(e.container, "--ec-transfer-config")
+            config: dict[str, Any] = json.loads(raw) if raw else {}
+            if config.get("ec_role") not in want:
+                yield (f"[ec-transfer] {e.name} ({d.role}) needs --ec-transfer-config with ec_role "
+                       f"{' or '.join(want)}, has {config.get('ec_role')!r}")
+                continue
+            if config.get("ec_connector") == "ECExampleConnector":
+                path = str((config.get("ec_connector_extra_config") or {}).get("shared_storage_path", "/tmp"))
+                stores[e.name] = (path, _store_claim(e, path))
+                if stores[e.name][1] is None:
+                    yield (f"[ec-transfer] {e.name}: its store {path} is no PersistentVolumeClaim mount, "
+                           "so the other pods cannot read what it writes")
+    if len(set(stores.values())) > 1:
+        yield f"[ec-transfer] the engines' encoder-cache stores differ (path, claim): {stores}"
+
+
 def check_kv_events(f: Fleet, s: Settings) -> Iterator[str]:
     """The ports the coordinator subscribes to are the ones the engines publish on and expose."""
     precise = s.scheduling.prefix.source == "precise"
     for d in s.discovery:
+        if d.role == "encode":  # encode-only engines keep no KV cache: nothing to publish
+            continue
         if precise and d.kv_events_port is None:
             yield f"[kv-events] {d.dns_name}: prefix source precise needs kv_events_port"
         for e in _behind(f, d):
@@ -837,7 +874,8 @@ def check_fleet(f: Fleet, s: Settings) -> Iterator[str]:
 CHECKS: dict[str, Check] = {
     "model-name": check_model_names, "block-size": check_block_size,
     "max-model-len": check_max_model_len, "discovery": check_discovery, "role": check_roles,
-    "kv-events": check_kv_events, "kv-transfer": check_kv_transfer, "render": check_render,
+    "kv-events": check_kv_events, "kv-transfer": check_kv_transfer, "ec-transfer": check_ec_transfer,
+    "render": check_render,
     "probes": check_probes, "model-path": check_model_paths, "drain": check_drain, "fleet": check_fleet,
     "workers": check_workers,
 }

@@ -4,6 +4,7 @@ the Dockerfiles; every cross-check and Dockerfile rule fails on a copy broken in
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -98,11 +99,21 @@ def test_overlay_renders_validates_and_passes_every_cross_check(
     assert [e for _, errors in results for e in errors] == []
 
 
+def test_epd_overlay_shares_one_encoder_store_between_both_roles(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["epd"]
+    assert {o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"} == {"llm-engine", "llm-engine-encode"}
+    claim = obj(objs, "PersistentVolumeClaim", "ec-store")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    roles = {json.loads(m.flag(engine(objs, name), "--ec-transfer-config") or "{}")["ec_role"]
+             for name in ("llm-engine", "llm-engine-encode")}
+    assert roles == {"ec_consumer", "ec_producer"}
+
+
 def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered: dict[str, list[Obj]]) -> None:
     roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
              for name, objs in rendered.items()}
-    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "cpu": ["union"], "fleet": ["union"],
-                     "fleet-external-redis": ["union"]}
+    assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "epd": ["union", "encode"],
+                     "cpu": ["union"], "fleet": ["union"], "fleet-external-redis": ["union"]}
 
 
 def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
@@ -451,6 +462,17 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
     ("fleet redis port not served", "fleet",
      lambda o: _fleet_env(o, "COORD_ADMISSION__FLEET__REDIS_URL", "redis://llm-coordinator-redis:6380/0"),
      "Service 'llm-coordinator-redis' has no port 6380"),
+    ("encode engine not an EC producer", "epd",
+     lambda o: set_flag(engine(o, "llm-engine-encode"), "--ec-transfer-config",
+                        '{"ec_connector":"ECExampleConnector","ec_role":"ec_consumer"}'),
+     "[ec-transfer] llm-engine-encode (encode) needs --ec-transfer-config with ec_role ec_producer"),
+    ("answering engine reads no store", "epd",
+     lambda o: set_flag(engine(o, "llm-engine"), "--ec-transfer-config", None),
+     "[ec-transfer] llm-engine (union) needs --ec-transfer-config with ec_role ec_consumer or ec_both"),
+    ("encoder store not shared", "epd",
+     lambda o: next(v for v in obj(o, "StatefulSet", "llm-engine-encode")["spec"]["template"]["spec"]["volumes"]
+                    if v["name"] == "ec-store").update(persistentVolumeClaim=None, emptyDir={}),
+     "[ec-transfer] llm-engine-encode: its store /ec-store is no PersistentVolumeClaim mount"),
     ("engine preStop shorter than discovery", "pd",
      lambda o: engine(o, "llm-engine-prefill")["lifecycle"]["preStop"]["exec"].update(command=["sleep", "5"]),
      "[drain] llm-engine-prefill: preStop sleep 5 s <= discovery interval_s 10"),
