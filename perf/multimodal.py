@@ -223,6 +223,15 @@ def run_policy(policy: str, args: argparse.Namespace, render_url: str, say: Prog
         return run
 
 
+def warm_render(render_url: str, conversations: int) -> None:
+    """Render every opening once before any policy runs: vLLM's render keeps processed images in its
+    multimodal cache, and the policy run first would otherwise pay for all of them alone."""
+    with httpx.Client(timeout=120) as client:
+        for k in range(conversations):
+            body = {"model": VISION, "messages": opening(k), "max_tokens": 1}
+            client.post(f"{render_url}/v1/chat/completions/render", json=body).raise_for_status()
+
+
 def plot(runs: dict[str, Run], path: Path) -> None:
     import matplotlib
 
@@ -328,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
             sidecars = render_sidecars(1, say, log_dir=out_dir, model=folder, served=VISION)
             sidecar = stack.enter_context(sidecars)[0]
             render_url = str(sidecar.url)
+        warm_render(render_url, args.conversations)
+        say(f"render warmed with the {args.conversations} opening images")
         for policy in POLICIES:
             runs[policy] = run_policy(policy, args, render_url, say, out_dir)
             s = runs[policy].summary()
