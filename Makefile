@@ -66,14 +66,19 @@ vision-model: model
 run: venv model
 	$(PY) deploy/local_stack.py
 
-# Unit, simulator-integration, real-vLLM end-to-end and third-party client tests (the real vLLM
-# processes boot once per session). pytest's exit code 5 ("no tests ran") is a failure.
+# Two passes: unit and simulator-integration tests on two workers (each test file on one worker, each
+# worker with its own render sidecar), then the real-vLLM end-to-end and third-party client tests
+# (marker e2e) in one process, so that each real vLLM process boots once. Both passes always run;
+# pytest's exit code 5 ("no tests ran") in either is a failure.
 # The tool venv installs while the project venv, the model and lint are built (-j3: minutes on a
 # fresh clone).
+PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
 test:
 	@$(MAKE) --no-print-directory -j3 test-prereqs
-	@$(PY) -m pytest -q -ra -p no:cacheprovider --durations=25; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	@$(PYTEST) -n 2 --dist loadfile -m "not e2e" --durations=15; a=$$?; \
+	$(PYTEST) -m e2e --durations=25; b=$$?; \
+	for rc in $$a $$b; do if [ $$rc -eq 5 ]; then echo "make test: a pass collected no tests" >&2; exit 1; fi; done; \
+	if [ $$a -ne 0 ]; then exit $$a; fi; exit $$b
 
 # The third-party client and OpenAI-spec suite alone (also part of `make test`).
 compat: venv compat-venv model

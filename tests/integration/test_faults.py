@@ -254,6 +254,7 @@ def test_render_stopped_mid_run_leaves_streams_being_derendered_alone(
     assert_no_leaks(coord, *sims)
 
 
+@pytest.mark.e2e  # the session's real vLLM engines: runs in the real-vLLM pass of `make test`
 def test_render_unavailable_with_a_native_engine_answers_through_it(
         proxy: FaultProxy, vllm_stack: Any, model_dir: Any, coordinator_factory: CoordinatorFactory) -> None:
     """Local tokenizer + the engine's own OpenAI API (native route), and the response says so."""
