@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -143,6 +144,21 @@ def test_the_openai_sdk_sends_an_image_unmodified(vision: VisionStack, coordinat
     stream = client.chat.completions.create(model=VISION, messages=messages, max_tokens=16, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_langchain_sends_an_image_unmodified(vision: VisionStack, coordinator: Any) -> None:
+    """LangChain's ``ChatOpenAI`` (from the tool venv, as users run it) with an image content part,
+    invoked and streamed: the engine's own answer both ways."""
+    from tests.compat.conftest import DRIVERS, compat_bin, offline_env, run_tool, tail
+
+    image = png("teal")
+    expected, usage = answer(vision.engine.url, chat(image))
+    proc = run_tool([compat_bin("python"), DRIVERS / "langchain_images_client.py", f"{coordinator.url}/v1",
+                     VISION, image], timeout=300, env=offline_env())
+    assert proc.returncode == 0, tail(proc)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["invoke"] == expected and out["stream_text"] == expected and out["stream_chunks"] > 1
+    assert out["invoke_usage"]["input_tokens"] == usage["prompt_tokens"]
 
 
 def test_messages_and_responses_carry_images(vision: VisionStack, coordinator: Any) -> None:
