@@ -204,6 +204,41 @@ def slow_url() -> Iterator[str]:
         server.shutdown()
 
 
+class _Image(BaseHTTPRequestHandler):
+    body = b""
+    fetched = 0
+
+    def do_GET(self) -> None:
+        type(self).fetched += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_an_http_image_is_downloaded_by_render_and_answered_as_its_data_url(
+        vision: VisionStack, coordinator_factory: CoordinatorFactory) -> None:
+    """An https/http image URL (here a loopback server, allowed by ``media.allow_private_urls``):
+    render downloads it once and the answer is the one the same bytes give as a data URL."""
+    data_url = png("salmon")
+    _Image.body = base64.b64decode(data_url.split(",", 1)[1])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Image)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        coord = coordinator_factory(str(vision.render.url), [vision.engine.url], models=[{"name": VISION}],
+                                    media={"allow_private_urls": True})
+        text, usage = answer(coord.url, chat(f"http://127.0.0.1:{server.server_address[1]}/salmon.png"))
+        assert _Image.fetched == 1
+        expected, native = answer(vision.engine.url, chat(data_url))
+        assert text == expected and usage["prompt_tokens"] == native["prompt_tokens"]
+    finally:
+        server.shutdown()
+
+
 def test_bad_images_are_400s_naming_the_field_and_the_engine_lives(
         vision: VisionStack, coordinator: Any, coordinator_factory: CoordinatorFactory, slow_url: str,
         vllm_stack: Any) -> None:
