@@ -239,6 +239,71 @@ def test_an_http_image_is_downloaded_by_render_and_answered_as_its_data_url(
         server.shutdown()
 
 
+class _CutStream(BaseHTTPRequestHandler):
+    """In front of a real engine: passes every call through, but ends the first generate stream after
+    ``cut_after`` chunks with no ``[DONE]`` (an engine lost mid-stream, as the coordinator sees it)."""
+
+    protocol_version = "HTTP/1.0"  # a body that ends where the connection does
+    upstream = ""
+    cut_after = 5
+    cuts = 0
+
+    def _forward(self, method: str) -> None:
+        size = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(size) if size else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "x-request-id")}
+        cut = self.path == "/inference/v1/generate" and type(self).cuts == 0 and b'"stream":true' in (body or b"")
+        with httpx.stream(method, f"{self.upstream}{self.path}", content=body, headers=headers,
+                          timeout=120) as r:
+            self.send_response(r.status_code)
+            self.send_header("Content-Type", r.headers.get("content-type", "application/json"))
+            self.end_headers()
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if cut and chunks > self.cut_after:
+                    type(self).cuts += 1
+                    return
+                self.wfile.write(f"{line}\n".encode())
+                self.wfile.flush()
+
+    def do_GET(self) -> None:
+        self._forward("GET")
+
+    def do_POST(self) -> None:
+        self._forward("POST")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_stream_cut_mid_way_is_relayed_with_its_images(
+        vision: VisionStack, coordinator_factory: CoordinatorFactory) -> None:
+    """The engine's stream ends after a few chunks: the coordinator replays the prompt, its images and
+    what was already streamed on the next engine (here the same engine by its own address), and the
+    client gets one stream with the text and usage of an unbroken one."""
+    _CutStream.upstream, _CutStream.cuts = vision.engine.url, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CutStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cut = f"http://127.0.0.1:{server.server_address[1]}"
+        coord = coordinator_factory(str(vision.render.url), [], models=[{"name": VISION}],
+                                    engines=[{"url": cut}, {"url": vision.engine.url}],
+                                    scheduling={"policy": "round_robin"})  # the first attempt: the cut one
+        body = chat(png("olive"), png("plum", (96, 64)), max_tokens=24)
+        expected, usage = answer(vision.engine.url, body)
+        r = post(coord.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(r)
+        assert _CutStream.cuts == 1 and coord.components.metrics.relays._value.get() == 1
+        assert not any(isinstance(e, dict) and "error" in e for e in events) and events[-1] == "[DONE]"
+        assert streamed_text(events)[0] == expected
+        final = [e for e in events if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+        assert final["prompt_tokens"] == usage["prompt_tokens"]
+        assert final["completion_tokens"] == usage["completion_tokens"]
+    finally:
+        server.shutdown()
+
+
 def test_bad_images_are_400s_naming_the_field_and_the_engine_lives(
         vision: VisionStack, coordinator: Any, coordinator_factory: CoordinatorFactory, slow_url: str,
         vllm_stack: Any) -> None:

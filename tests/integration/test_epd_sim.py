@@ -147,3 +147,24 @@ def test_a_stream_relayed_after_its_engine_failed_keeps_its_images(
         assert replay["media"] == first["media"] and len(replay["media"]) == 1
         assert replay["prompt_tokens"] > first["prompt_tokens"]   # the prompt plus what was streamed
         assert len(enc.state()["history"]) == 1                    # encoded once, for the baseline
+
+
+def test_with_prefill_and_decode_engines_the_prefill_leg_reads_the_store(
+        vision_render: Any, store: Path, coordinator_factory: CoordinatorFactory) -> None:
+    """E + P + D: the encoder's ``ec_transfer_params`` go with the prefill leg, the engine that runs the
+    prompt's images; the decode leg continues from the prefill's KV as in any handoff."""
+    cfg = {"model": VISION, "vocab_size": 49156, "encode_s_per_image_token": ENCODE_S,
+           "ec_storage_path": str(store)}
+    with SimulatedEngine(SimConfig(ec_role="ec_producer", **cfg)) as enc, \
+            SimulatedEngine(SimConfig(ec_role="ec_consumer", kv_role="prefill", **cfg)) as pre, \
+            SimulatedEngine(SimConfig(kv_role="decode", **cfg)) as dec:
+        coord = coordinator_factory(str(vision_render.url), [], models=[{"name": VISION}],
+                                    engines=[{"url": enc.url, "role": "encode"},
+                                             {"url": pre.url, "role": "prefill"}, {"url": dec.url, "role": "decode"}],
+                                    topology={"pd_min_uncached_tokens": 0})
+        assert ask(coord, chat(png("maroon"), stream=True))
+        [e], [p], [d] = (s.state()["history"] for s in (enc, pre, dec))
+        assert p["ec_transfer_params"] == {e["media"][0]: {"item_indices": [0], "metadata": {}}}
+        assert p["sampling_params"]["max_tokens"] == 1 and p["kv_transfer_params"]["do_remote_decode"]
+        assert d["kv_transfer_params"]["do_remote_prefill"] and d["media"] == e["media"]
+        assert legs(coord) == {"encoded": 1.0}
