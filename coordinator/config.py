@@ -556,8 +556,9 @@ class EncodeSettings(_Section):
     put them in the encoder-cache store their EC connector shares with the engines that answer."""
 
     timeout_s: float = Field(
-        default=30.0, gt=0, description="longest wait for an encode leg; past it (or on any encoder "
-        "error) the answering engine encodes the images itself",
+        default=10.0, gt=0, description="longest wait for an encode leg; past it (or on any encoder "
+        "error) the answering engine encodes the images itself, and the miss counts against the "
+        "encoder's breaker",
     )
     reuse_ttl_s: float = Field(
         default=600.0, ge=0, description="skip the encode leg when every image of the prompt was encoded "

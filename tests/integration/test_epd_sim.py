@@ -81,6 +81,7 @@ def coord(vision_render: Any, engines: tuple[SimulatedEngine, SimulatedEngine],
     return coordinator_factory(str(vision_render.url), [], models=[{"name": VISION}],
                                engines=[{"url": enc.url, "role": "encode"}, {"url": union.url}],
                                engine_client={"health_interval_s": 0.2},
+                               resilience={"breaker_failures": 2},
                                topology={"encode": {"timeout_s": 1.0}})
 
 
@@ -117,6 +118,9 @@ def test_the_answering_engine_encodes_when_the_encode_engine_fails(
     enc.set_faults(hang=True)                      # slower than topology.encode.timeout_s
     ask(coord, chat(png("yellow"), stream=True))
     assert legs(coord) == {"fallback": 2.0}
+    # Both misses count against the encoder (resilience.breaker_failures 2 here): its breaker opens,
+    # and the next image request does not wait for it at all.
+    assert coord.components.registry.get(enc.url).breaker.state == "open"
     enc.clear_faults()
     enc.stop()                                     # gone: probes take it out, nothing waits for it
     for color in ("purple", "teal"):

@@ -30,6 +30,7 @@ from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.registry import EngineRegistry
+from coordinator.pipeline.errors import UpstreamTimeout
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.legs import attempt_id
@@ -118,11 +119,20 @@ class EncodeLeg:
                       req: SchedRequest) -> dict[str, Any] | None:
         """One encode call; None when it failed in any way (logged, counted on the engine's breaker)."""
         rid = attempt_id(generate["request_id"], "e")
+        engine.breaker.on_pick()  # a half-open breaker lets one trial through, not every waiting leg
         self._running[engine.url] = self._running.get(engine.url, 0) + 1
         try:
-            with self._attempts.outcome(engine, req, "encode"):
-                async with asyncio.timeout(self._settings.timeout_s):
+            async with asyncio.timeout(self._settings.timeout_s):
+                with self._attempts.outcome(engine, req, "encode"):
                     resp = await self._client.generate(engine, encode_body(generate), rid)
+        except TimeoutError:
+            # The leg was cancelled (the engine client aborted it there); unlike a client's cancel, a
+            # deadline missed counts against the encoder, so a hung one opens its breaker and stops
+            # costing every image request the whole timeout.
+            self._attempts.failed(engine, UpstreamTimeout(f"encode leg on {engine.url} timed out"), req)
+            log.warning("encode leg on %s timed out after %.1f s: the answering engine encodes the images",
+                        engine.url, self._settings.timeout_s)
+            return None
         except Exception as exc:  # any failure: the answering engine encodes instead
             log.warning("encode leg on %s failed (%s): the answering engine encodes the images",
                         engine.url, type(exc).__name__)
