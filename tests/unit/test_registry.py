@@ -486,6 +486,25 @@ async def test_discovery_of_a_prefill_and_a_decode_service(make: Callable[..., E
         ("http://10.0.1.1:8200", "prefill"), ("http://10.0.2.2:8300", "decode")]
 
 
+async def test_discovery_of_encode_engines_keeps_them_out_of_every_other_role(
+        make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
+    """EPD: a Service of encode engines beside the union one; encoders are found as their own role,
+    never offered for a union, prefill or decode leg, nor counted as P/D engines."""
+    records = {"union.ns": ["10.0.1.1"], "encode.ns": ["10.0.3.1"]}
+
+    async def resolve(name: str, port: int) -> list[str]:
+        return records[name]
+
+    s = Settings(engines=[], models=[ModelSettings(name=MODEL)], discovery=[
+        {"dns_name": "union.ns", "port": 8200}, {"dns_name": "encode.ns", "port": 8200, "role": "encode"}])
+    reg = make(s, resolver=resolve)
+    await reg.discover_once()
+    assert [e.url for e in reg.candidates(MODEL, "encode")] == ["http://10.0.3.1:8200"]
+    assert [e.url for e in reg.candidates(MODEL)] == ["http://10.0.1.1:8200"]
+    assert reg.candidates(MODEL, "prefill") == reg.candidates(MODEL, "decode") == []
+    assert not s.uses_trigger() and s.mixed_pd_protocols(s.engines) is None
+
+
 def test_discovery_accepts_one_mapping_or_a_list() -> None:
     one = Settings(discovery={"dns_name": "engines.ns", "port": 8200})
     assert [d.dns_name for d in one.discovery] == ["engines.ns"]
