@@ -84,10 +84,15 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def render_sidecar(model_dir: Path, logs_dir: Path) -> Iterator[Any]:
     """The real render sidecar, shared by every test that needs render/derender."""
+    yield from _render(model_dir, SERVED, logs_dir / "render.log")
+
+
+def _render(model: Path, served: str, log_path: Path, **kw: Any) -> Iterator[Any]:
+    """A render sidecar for a session fixture: started, ready, stopped at the end."""
     from render_sidecar.launch import RenderSidecar
 
-    render = RenderSidecar(model_dir, port=free_port(), served_model_name=SERVED, max_model_len=MAX_MODEL_LEN,
-                           log_path=logs_dir / "render.log", echo=_echo())
+    render = RenderSidecar(model, port=free_port(), served_model_name=served, max_model_len=MAX_MODEL_LEN,
+                           log_path=log_path, echo=_echo(), **kw)
     try:
         render.start()
         _ready(render)
@@ -105,19 +110,11 @@ def vision_render(logs_dir: Path) -> Iterator[Any]:
     """Our render sidecar of the tiny vision model (``token_engine.vision_prep``), booted once for every
     image test, real engine or simulated: one image download try of 2 s, private URLs allowed (the
     tests serve a slow image from loopback)."""
-    from render_sidecar.launch import RenderSidecar, media_env
+    from render_sidecar.launch import media_env
     from token_engine.vision_prep import ensure_vision_model
 
-    render = RenderSidecar(ensure_vision_model(), port=free_port(), served_model_name=VISION,
-                           max_model_len=MAX_MODEL_LEN, extra_args=VISION_MM_LIMIT,
-                           env_overrides=media_env(2, allow_private_urls=True),
-                           log_path=logs_dir / "vision-render.log", echo=_echo(), name="vision-render")
-    try:
-        render.start()
-        _ready(render)
-        yield render
-    finally:
-        render.stop()
+    yield from _render(ensure_vision_model(), VISION, logs_dir / "vision-render.log", extra_args=VISION_MM_LIMIT,
+                       env_overrides=media_env(2, allow_private_urls=True), name="vision-render")
 
 
 @pytest.fixture(scope="session")

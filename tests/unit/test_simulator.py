@@ -792,3 +792,17 @@ def test_a_scripted_engine_continues_its_answer_after_a_relay() -> None:
     assert script_resume_at([1, 9, 198], script) == 0            # a fresh prompt: from the start
     assert script_resume_at([1, 9, 198, 50, 51], script) == 2    # relayed after two tokens: the third next
     assert script_resume_at([1, 9, 50, 51, 52, 53], script) == 4  # only EOS left
+
+
+def test_ec_transfer_config_maps_to_the_store_and_a_role_needs_one(tmp_path: Any) -> None:
+    """vLLM's ``--ec-transfer-config`` gives the simulator its EC role and store; a role without a store
+    is refused (there is no default folder to share by accident)."""
+    store = str(tmp_path / "ec")
+    flag = ('{"ec_connector":"ECExampleConnector","ec_role":"ec_producer",'
+            f'"ec_connector_extra_config":{{"shared_storage_path":"{store}"}}}}')
+    _, cfg = parse_args(["--ec-transfer-config", flag])
+    assert (cfg.ec_role, cfg.ec_storage_path) == ("ec_producer", store)
+    with pytest.raises(SystemExit):
+        parse_args(["--ec-transfer-config", '{"ec_connector":"ECExampleConnector","ec_role":"ec_consumer"}'])
+    with pytest.raises(ValueError, match="ec_storage_path"):
+        SimConfig(ec_role="ec_consumer")

@@ -43,8 +43,11 @@ def _ec_transfer_config(text: str) -> dict[str, Any]:
     raw = json.loads(text)
     if not isinstance(raw, dict) or raw.get("ec_connector") != "ECExampleConnector":
         raise argparse.ArgumentTypeError("--ec-transfer-config: only ECExampleConnector is simulated")
-    extra = raw.get("ec_connector_extra_config") or {}
-    return {"ec_role": raw.get("ec_role"), "ec_storage_path": extra.get("shared_storage_path", "/tmp")}
+    path = (raw.get("ec_connector_extra_config") or {}).get("shared_storage_path")
+    if not path:  # vLLM falls back to a fixed system folder; a simulator store is always named
+        raise argparse.ArgumentTypeError(
+            "--ec-transfer-config: give ec_connector_extra_config.shared_storage_path")
+    return {"ec_role": raw.get("ec_role"), "ec_storage_path": path}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, SimConfig]:
@@ -79,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     )
     p.add_argument("--ec-transfer-config", type=_ec_transfer_config, default=None,
                    help='vLLM\'s flag, e.g. \'{"ec_connector":"ECExampleConnector","ec_role":"ec_producer",'
-                   '"ec_connector_extra_config":{"shared_storage_path":"/tmp/ec"}}\'')
+                   '"ec_connector_extra_config":{"shared_storage_path":"DIR"}}\' (DIR shared by the engines)')
     p.add_argument("--encode-us-per-token", type=float, default=None,
                    help="vision-encoder microseconds per image placeholder token")
     p.add_argument("--kv-lease-s", type=float, default=None, help="NixlConnector kv_lease_duration")

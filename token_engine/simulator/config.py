@@ -134,8 +134,9 @@ class SimConfig(BaseModel):
     """ec_producer: an encode-only engine (encodes, stores, answers no tokens); ec_consumer: loads an
     image's embedding from the store when it is there instead of encoding it; ec_both: both."""
     ec_storage_path: str | None = None
-    """ECExampleConnector's ``shared_storage_path``: ``<path>/<mm_hash>/encoder_cache.safetensors``. The
-    simulator writes empty marker files there (not embeddings: never share a store with real engines)."""
+    """ECExampleConnector's ``shared_storage_path``, required with ``ec_role``:
+    ``<path>/<mm_hash>/encoder_cache.safetensors``. The simulator writes empty marker files there (not
+    embeddings: never share a store with real engines)."""
 
     # --- LoRA (vLLM's --enable-lora; lora.py) ---
     enable_lora: bool = False
@@ -165,6 +166,8 @@ class SimConfig(BaseModel):
     def _check_ranges(self) -> SimConfig:
         if self.random_lo >= self.random_hi:
             raise ValueError("random_lo must be below random_hi")
+        if self.ec_role is not None and not self.ec_storage_path:
+            raise ValueError("ec_role needs ec_storage_path (the store the engines share)")
         return self
 
     @property

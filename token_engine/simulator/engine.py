@@ -335,7 +335,8 @@ class SimEngine:
         return self.config.ec_role == "ec_producer"
 
     def _ec_file(self, mm_hash: str) -> Path:
-        return Path(self.config.ec_storage_path or "/tmp") / mm_hash / "encoder_cache.safetensors"
+        assert self.config.ec_storage_path is not None  # SimConfig requires it with ec_role
+        return Path(self.config.ec_storage_path) / mm_hash / "encoder_cache.safetensors"
 
     def _encode_s(self, req: SimRequest, cached: int) -> float:
         """Encoder time of the images this engine must encode: not those whose placeholders are all in
