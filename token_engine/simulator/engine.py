@@ -266,7 +266,6 @@ class SimEngine:
         cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora, media=req.media)
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
-        encode_s = self._encode_s(req, cached)
         if self._is_trigger_decode(req):
             loaded = await self._await_remote_kv(req, cached)
             if loaded is None:
@@ -283,6 +282,9 @@ class SimEngine:
         remote_cached = (req.kv_transfer_params or {}).get("remote_prefill_cached_tokens")
         if (req.kv_transfer_params or {}).get("do_remote_prefill") and isinstance(remote_cached, int):
             req.num_cached_tokens = remote_cached  # OutputProcessor reports the P side's hits
+        # Images are encoded only where tokens are computed here (a decode leg that loaded the prompt's
+        # KV computes the last token alone, so it encodes nothing).
+        encode_s = self._encode_s(req, len(req.prompt) - uncached)
         if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached + encode_s):
             return
         self.prefix_cache.insert(req.prompt, req.cache_salt,
@@ -338,12 +340,13 @@ class SimEngine:
         assert self.config.ec_storage_path is not None  # SimConfig requires it with ec_role
         return Path(self.config.ec_storage_path) / mm_hash / "encoder_cache.safetensors"
 
-    def _encode_s(self, req: SimRequest, cached: int) -> float:
-        """Encoder time of the images this engine must encode: not those whose placeholders are all in
-        the prefix cache (vLLM skips them), nor, on a consumer, those the store holds (it loads them)."""
+    def _encode_s(self, req: SimRequest, computed: int) -> float:
+        """Encoder time of the images this engine must encode: not those whose placeholders all lie in
+        the ``computed`` prompt tokens (prefix cache or loaded KV: vLLM skips them), nor, on a consumer,
+        those the store holds (it loads them)."""
         consumer = self.config.ec_role in ("ec_consumer", "ec_both")
         tokens = sum(length for h, off, length in req.media
-                     if off + length > cached and not (consumer and self._ec_file(h).exists()))
+                     if off + length > computed and not (consumer and self._ec_file(h).exists()))
         return tokens * self.config.encode_s_per_image_token
 
     async def _encode_only(self, req: SimRequest) -> AsyncIterator[ChoiceDelta]:
