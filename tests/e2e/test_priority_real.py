@@ -5,6 +5,10 @@ goes next. A long request holds the engine; then a request with priority 10 arri
 priority -10 (vLLM: lower runs sooner). An engine that received the priorities runs the -10 request
 first although it came second; one that did not would run them in arrival order. The coordinator's
 own admission lets all three through at once (its budget is large), so the order is the engine's.
+
+Each of the two is long enough (32 tokens) that running one before the other puts a whole run
+between their last tokens; first tokens alone were a tenth of a second apart on a loaded machine,
+where one stream's delivery can lag the other's by that much.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def test_the_engine_runs_the_more_urgent_request_first(
         vllm_stack: VllmStack, priority_engine: Any, coordinator_factory: CoordinatorFactory) -> None:
     coord = coordinator_factory(vllm_stack.render_url, [priority_engine.url])
     first_token: dict[str, float] = {}
+    last_token: dict[str, float] = {}
     errors: list[str] = []
 
     def ask(name: str, max_tokens: int, headers: dict[str, str], started: threading.Event | None = None) -> None:
@@ -57,6 +62,7 @@ def test_the_engine_runs_the_more_urgent_request_first(
             for line in r.iter_lines():
                 if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
                     first_token.setdefault(name, time.monotonic())
+                    last_token[name] = time.monotonic()
                     if started is not None:
                         started.set()
 
@@ -65,7 +71,7 @@ def test_the_engine_runs_the_more_urgent_request_first(
     threads[0].start()
     assert holding.wait(120), errors
     for name, priority in (("later", "10"), ("urgent", "-10")):  # the urgent one arrives second
-        t = threading.Thread(target=ask, args=(name, 4, {"X-Request-Priority": priority}))
+        t = threading.Thread(target=ask, args=(name, 32, {"X-Request-Priority": priority}))
         t.start()
         threads.append(t)
         time.sleep(0.5)
@@ -73,5 +79,8 @@ def test_the_engine_runs_the_more_urgent_request_first(
         t.join(300)
     assert not errors, errors
     assert set(first_token) == {"hold", "later", "urgent"}, first_token
-    assert first_token["urgent"] < first_token["later"], first_token
+    # Run one after the other, the urgent one first: it ends before the later one has even begun
+    # its second half.
+    assert last_token["urgent"] < last_token["later"], (first_token, last_token)
+    assert last_token["urgent"] < (first_token["later"] + last_token["later"]) / 2, (first_token, last_token)
     assert coord.wait_idle() == 0
