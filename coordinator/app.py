@@ -34,6 +34,7 @@ from coordinator.pipeline.admission.rate_limits import Buckets, LocalBuckets, Re
 from coordinator.pipeline.admission.tenants import TenantDirectory
 from coordinator.pipeline.catalog import ModelCatalog
 from coordinator.pipeline.derender import Coalescing, Derender, Derenderer
+from coordinator.pipeline.engines import versions
 from coordinator.pipeline.engines.client import EngineClient
 from coordinator.pipeline.engines.engine import Engine
 from coordinator.pipeline.engines.lora import AdapterLoader
@@ -108,6 +109,7 @@ class Components:
             # Sidecars that answer now must agree on their parsers (SidecarsDisagree stops the start);
             # the others are asked when they first serve a stream (docs/parsers.md).
             await self.derenderer.features.learn(strict=True)
+        await _check_vllm_lines(self)
         self._sync = asyncio.create_task(_sync_catalog(self))
         if self.lora is not None and self.pipeline.catalog.adapters():
             self._pins = asyncio.create_task(_keep_pins(self), name="lora-pins")
@@ -141,6 +143,30 @@ class Components:
         await self.sidecar.aclose()
         if isinstance(self.pipeline.observer, tracing.TracingObserver):  # flush the spans still batched
             await asyncio.to_thread(self.pipeline.observer.shutdown)
+
+
+async def _check_vllm_lines(c: Components) -> None:
+    """The render sidecars' and engines' vLLM lines, as far as they answer now (versions.py): a
+    sidecar of a line the coordinator cannot use stops the start, so does a fleet whose every engine
+    is refused; an untested pair is one warning."""
+    sidecars: dict[str, str | None] = {}
+    if c.settings.render.enable:
+        for sidecar in c.sidecar.sidecars:
+            answer = await c.sidecar.call(sidecar, "GET", "/version")
+            body = answer[1] if answer is not None and answer[0] == 200 else None
+            version = body.get("version") if isinstance(body, dict) else None
+            sidecars[sidecar.url] = version if isinstance(version, str) else None
+            reason = versions.refusal("render sidecar", sidecar.url, sidecars[sidecar.url])
+            if reason:
+                raise versions.IncompatibleVllm(reason)
+    engines = [e for e in c.registry.engines if e.version_learned]
+    if engines and all(e.refused for e in engines):
+        raise versions.IncompatibleVllm("; ".join(e.refused or "" for e in engines))
+    pairs = {(s, e.vllm_version) for s in sidecars.values() for e in engines if not e.refused}
+    for sidecar_version, engine_version in sorted(pairs, key=str):
+        if versions.untested(sidecar_version, engine_version):
+            log.warning("render sidecar on vLLM %s with engines on vLLM %s: no suite has proved this pair "
+                        "(docs/versions.md, \"Mixing lines\")", sidecar_version, engine_version)
 
 
 def build_components(settings: Settings, metrics_registry: CollectorRegistry | None = None,
@@ -310,6 +336,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
         return ok, {"ready": ok, "draining": drain.draining,
                     "render": sidecar_ok if c.settings.render.enable else "off",
                     "render_sidecars": sidecars, "render_fallback": fallback, "engines": engines,
+                    # engines whose vLLM line the coordinator cannot use, and why (versions.py)
+                    "refused": {e.url: e.refused for e in c.registry.engines if e.refused},
                     "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
                     # shared / degraded (Redis unreachable: admitting with a share) / local
                     "fleet": ("degraded" if c.ledger.fleet.degraded else "shared")

@@ -570,7 +570,7 @@ async def test_scrape_failure_is_none(fleet: Fleet, http: httpx.AsyncClient) -> 
 async def test_telemetry_off_scrapes_nothing(make: Callable[..., EngineRegistry], fleet: Fleet) -> None:
     reg = make(settings(EngineSettings(url=A)))
     await reg.probe_once()
-    assert fleet.paths == ["/health", "/tokenize"]  # health and, once, what it can run; no /metrics
+    assert fleet.paths == ["/health", "/version", "/tokenize"]  # health and, once, what it runs; no /metrics
 
 
 async def test_the_engines_tokenizer_is_learned_from_its_tokenize_route(

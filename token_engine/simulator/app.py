@@ -556,6 +556,11 @@ def build_app(config: SimConfig | None = None) -> FastAPI:
         # coordinator reads it as "no tokenizer, no structured outputs").
         return JSONResponse(error_body(NO_TOKENIZER_MESSAGE, "BadRequestError", 400), status_code=400)
 
+    if server.config.vllm_version is not None:
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": server.config.vllm_version})
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if server.faults.health_dead else 200)

@@ -38,6 +38,9 @@ class SimConfig(BaseModel):
     """Served model name; a request naming another model gets vLLM's 404."""
     model_root: str | None = None
     """`root` in /v1/models (vLLM shows the model path); defaults to `model`."""
+    vllm_version: str | None = "0.32.0"
+    """What ``GET /version`` says (vLLM's ``{"version": ...}``); None: no such route (404), as a
+    server that is not vLLM. The coordinator refuses engines of lines it cannot use (docs/versions.md)."""
     max_model_len: int = Field(default=2048, ge=2)
     vocab_size: int = Field(default=49152, ge=2)
     max_num_seqs: int = Field(default=256, ge=1)

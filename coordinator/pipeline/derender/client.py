@@ -115,7 +115,9 @@ class Derenderer:
         body: dict[str, Any] = {"stream": True, "model": ctx.model, "generate_chunk": chunk,
                                 "stream_state": state, "prompt_tokens": plan.prompt_tokens,
                                 "prompt_token_ids": seed}
-        options = _encoded(ctx, "options", ctx.derender_request)  # the same for every chunk
+        # The same for every chunk. Without ``stop``: the coordinator cuts stop strings itself
+        # (stop.py), and vLLM 0.33's streaming derender refuses a request that names any (400).
+        options = _encoded(ctx, "options", {k: v for k, v in ctx.derender_request.items() if k != "stop"})
         if ctx.kind == "chat":
             body["chat_request"] = options
             path = "/v1/chat/completions/derender"

@@ -36,6 +36,9 @@ class Engine:
     learned_tokenizer: bool | None = None  # asked of the engine (capabilities.py); None = not known yet
     abort_route: bool | None = None  # serves /inference/v1/abort_requests; learned from its first answer
     api_key: str | None = None       # the coordinator's bearer token for an engine run with --api-key
+    vllm_version: str | None = None  # its GET /version (versions.py); None = not said
+    version_learned: bool = False    # asked and answered (with a version or without)
+    refused: str | None = None       # why its vLLM line cannot be used (versions.py); None = usable
     inflight_requests: int = 0
     inflight_tokens: int = 0
     telemetry: Telemetry = field(default_factory=Telemetry)
@@ -62,11 +65,14 @@ class Engine:
     def learning(self) -> bool:
         """Some capability is neither configured nor learned yet (the registry asks the engine)."""
         return ((self.tokenizer is None and self.learned_tokenizer is None)
-                or (self.native_api is None and self.learned_native_api is None))
+                or (self.native_api is None and self.learned_native_api is None)
+                or not self.version_learned)
 
     def forget_learned(self) -> None:
         """The engine went away: it may come back started with other flags, so ask again then."""
         self.learned_tokenizer = self.learned_native_api = self.abort_route = None
+        self.vllm_version = self.refused = None
+        self.version_learned = False
         self.adapters.forget()
 
     def credentials(self) -> dict[str, str]:
@@ -83,12 +89,13 @@ class Engine:
         not probed yet counts as healthy (optimistic until the first probe says otherwise)."""
         if self.removed or self.drain_requested:
             return "draining"
-        return "unhealthy" if self.probe_ok is False else "healthy"
+        return "unhealthy" if self.probe_ok is False or self.refused is not None else "healthy"
 
     @property
     def healthy(self) -> bool:
         # ``state == "healthy"`` spelled out: read for every engine on every scheduling decision.
-        return self.probe_ok is not False and not self.removed and not self.drain_requested
+        return (self.probe_ok is not False and not self.removed and not self.drain_requested
+                and self.refused is None)
 
     @property
     def draining(self) -> bool:

@@ -26,6 +26,7 @@ from coordinator.pipeline.engines.capabilities import TOKENIZER, probe_native_ap
 from coordinator.pipeline.engines.discovery import DnsDiscovery, Resolver
 from coordinator.pipeline.engines.engine import Engine, EngineState
 from coordinator.pipeline.engines.telemetry import scrape
+from coordinator.pipeline.engines.versions import read_version, refusal
 
 __all__ = ["EngineEvent", "EngineRegistry", "Listener"]
 
@@ -402,6 +403,17 @@ class EngineRegistry:
     async def _learn_capabilities(self, engine: Engine) -> None:
         # No listener to tell: a request never waits for a capability (the scheduler refuses at once
         # when no engine has it), and the first round runs before the coordinator serves.
+        if not engine.version_learned:
+            answered, version = await read_version(self._http, engine.url, _PROBE_TIMEOUT_S,
+                                                   engine.credentials())
+            if not answered or not self._is_current(engine):
+                return
+            engine.version_learned, engine.vllm_version = True, version
+            engine.refused = refusal("engine", engine.url, version)
+            if engine.refused:
+                log.error("%s; it gets no requests", engine.refused)
+            elif version:
+                log.info("engine %s runs vLLM %s", engine.url, version)
         if engine.tokenizer is None and engine.learned_tokenizer is None:
             found = await probe_tokenizer(self._http, engine.url, _PROBE_TIMEOUT_S)
             if found is None or not self._is_current(engine):
