@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import SERVED, VllmStack, make_settings
 from tests.e2e.test_messages_real import collapsed, events, post  # same SSE (event: + data:) reading
-from tests.e2e.test_wire_shape import shape
+from tests.e2e.test_wire_shape import as_sidecar_line, shape
 from tests.support import CoordinatorServer, generate_calls
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +50,7 @@ def stable(value: Any) -> Any:
 
 
 def test_response_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
-    native = post(f"{vllm_stack.native.url}/v1/responses", QUESTION)
+    native = as_sidecar_line(post(f"{vllm_stack.native.url}/v1/responses", QUESTION))
     ours = post(f"{coord.url}/v1/responses", QUESTION)
     assert shape(ours) == shape(native), (ours, native)
     assert stable(ours) == stable(native)  # output items, usage, status and every echoed field
@@ -59,7 +59,7 @@ def test_response_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer)
 
 
 def test_stream_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
-    native = events(f"{vllm_stack.native.url}/v1/responses", QUESTION)
+    native = as_sidecar_line(events(f"{vllm_stack.native.url}/v1/responses", QUESTION))
     ours = events(f"{coord.url}/v1/responses", QUESTION)
     assert collapsed(ours) == collapsed(native), (ours, native)
     assert [d["sequence_number"] for _, d in ours] == list(range(len(ours)))
@@ -72,7 +72,7 @@ def test_stream_equals_native(vllm_stack: VllmStack, coord: CoordinatorServer) -
 
 def test_max_output_tokens_is_incomplete_as_native(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
     body = {**QUESTION, "max_output_tokens": 3}
-    native = post(f"{vllm_stack.native.url}/v1/responses", body)
+    native = as_sidecar_line(post(f"{vllm_stack.native.url}/v1/responses", body))
     ours = post(f"{coord.url}/v1/responses", body)
     assert stable(ours) == stable(native)
     assert ours["status"] == "incomplete" and ours["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -47,6 +47,24 @@ def test_content_chunk_has_only_the_keys_native_sets() -> None:
                                    "finish_reason": None, "token_ids": None}
 
 
+def test_a_newer_sidecars_null_fields_leave_its_chunks() -> None:
+    """vLLM 0.33's chunk and choice models gained ``kv_transfer_params`` and ``weight_versions``;
+    native 0.33 sends them only when set, native 0.32 never."""
+    chunk = derendered(" Paris")
+    chunk["kv_transfer_params"] = None
+    chunk["choices"][0]["weight_versions"] = None
+    assert shape_stream_chunk(ctx(), chunk, parsers=False)
+    assert set(chunk) == {"id", "object", "created", "model", "choices"}
+    assert "weight_versions" not in chunk["choices"][0]
+    kept = derendered(" Paris")
+    kept["kv_transfer_params"] = {"remote_block_ids": [1]}
+    kept["choices"][0]["weight_versions"] = ["v2"]
+    assert shape_stream_chunk(ctx(), kept, parsers=False)
+    assert kept["kv_transfer_params"] == {"remote_block_ids": [1]} and kept["choices"][0]["weight_versions"] == ["v2"]
+    usage = shape_usage_chunk(ctx(include_usage=True), {"choices": [], "usage": {}, "kv_transfer_params": None})
+    assert "kv_transfer_params" not in usage
+
+
 def test_text_less_token_is_empty_content_not_null() -> None:
     chunk = derendered(None, finish="stop")
     assert shape_stream_chunk(ctx(), chunk, parsers=False)

@@ -31,6 +31,10 @@ Both kinds, top level: ``usage`` only with ``continuous_usage_stats`` (chat adds
 ``metrics``/``prompt_token_ids``/``prompt_text`` after the first chunk, and ``system_fingerprint``
 on a choice's finishing chunk when no usage chunk follows, and on the usage chunk. Non-streaming
 responses keep every key and get the fingerprint too.
+
+A 0.33 sidecar's models have a few more fields (``kv_transfer_params`` on a chunk,
+``weight_versions`` on a choice); in chunks they go when null, as native's ``exclude_unset`` drops
+them; non-streamed bodies keep them, as native 0.33's do (docs/versions.md).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ from coordinator.pipeline.context import PromptPlan, RequestContext
 
 # Top-level keys derender always writes that native chunks only carry when set.
 _UNSET_IN_CHUNKS = ("system_fingerprint", "prompt_token_ids", "prompt_text", "metrics")
+# Fields vLLM 0.33's stream models added (a 0.33 sidecar writes them, ``null``); native 0.33 chunks
+# carry them only when set, and 0.32's have none: dropped when null (docs/versions.md).
+_NEWER_IN_CHUNKS = ("kv_transfer_params",)
+_NEWER_IN_CHOICES = ("weight_versions",)
 
 
 @lru_cache(maxsize=64)
@@ -84,6 +92,9 @@ def shape_stream_chunk(ctx: RequestContext, chunk: dict[str, Any], *, parsers: b
     """Give a derendered content chunk native's keys; False when native would not send it at all."""
     for key in _UNSET_IN_CHUNKS:
         chunk.pop(key, None)
+    for key in _NEWER_IN_CHUNKS:
+        if key in chunk and chunk[key] is None:
+            del chunk[key]
     usage = chunk.get("usage")
     if usage is None:
         chunk.pop("usage", None)
@@ -92,6 +103,9 @@ def shape_stream_chunk(ctx: RequestContext, chunk: dict[str, Any], *, parsers: b
     choices = chunk.get("choices") or []
     finished = False
     for choice in choices:
+        for key in _NEWER_IN_CHOICES:
+            if key in choice and choice[key] is None:
+                del choice[key]
         if choice.get("finish_reason") is not None:
             finished = True
         elif ctx.kind == "chat":
@@ -105,6 +119,9 @@ def shape_stream_chunk(ctx: RequestContext, chunk: dict[str, Any], *, parsers: b
 
 def shape_usage_chunk(ctx: RequestContext, chunk: dict[str, Any]) -> dict[str, Any]:
     """The final usage chunk: native writes it with ``exclude_none``, fingerprint included."""
+    for key in _NEWER_IN_CHUNKS:
+        if key in chunk and chunk[key] is None:
+            del chunk[key]
     chunk["system_fingerprint"] = system_fingerprint(ctx.model)
     return chunk
 
