@@ -26,7 +26,7 @@ here so that each quirk is handled in exactly one place:
   ``vllm launch render`` there (console script broken as above), runs from a few lines passed with
   ``-c``; before 0.30 there is no ``--enable-scale-out`` (the scale-out routes are always on).
 
-GPU (production, ``vllm>=0.32.0,<0.33``, docs/versions.md): the same entry modules and flags, minus the
+GPU (production, ``vllm>=0.32.0,<0.34``, docs/versions.md): the same entry modules and flags, minus the
 CPU ones. Do not set ``VLLM_TARGET_DEVICE``/``VLLM_CPU_KVCACHE_SPACE``; use ``--dtype auto`` (bf16) and
 let CUDA graphs be captured (no ``--enforce-eager``); size memory with ``--gpu-memory-utilization 0.9``,
 parallelism with ``--tensor-parallel-size N`` / ``--data-parallel-size N``, and P/D with
