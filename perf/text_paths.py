@@ -69,6 +69,7 @@ import msgspec
 
 from perf._procs import SERVED, own_cpu_s, render_sidecars, reserved_port, sidecar_pid, tree_cpu_s
 from perf._report import Progress, final_json, pct, save_figure, write_report
+from perf.parser_chunking import WEATHER_TOOL  # the tool the parser measurements use
 
 NAME = "text_paths"
 SEED_SUFFIX = 8           # plain derender: prompt ids that seed detokenisation (coordinator: _SEED_SUFFIX)
@@ -77,12 +78,6 @@ HERMES_FLAGS = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
 PLAIN_PROMPTS = ["Tell me a long story about a lighthouse keeper.",
                  "Explain how a bicycle gear system works, step by step.",
                  "Write a letter to a friend about a trip to the mountains."]
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {"name": "get_weather", "description": "Current weather in a city",
-                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                "required": ["city"]}},
-}
 
 
 def _call(city: str) -> str:
