@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from coordinator.config import DiscoverySettings, Settings
+from coordinator.pipeline.engines.versions import TESTED, line_of
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -634,8 +635,8 @@ def check_probes(f: Fleet, s: Settings) -> Iterator[str]:
 
 
 def check_images(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
-    """Image names are the ones deploy/docker builds; render and engines run one vLLM version, the one
-    the Dockerfiles default to and pyproject pins."""
+    """Image names are the ones deploy/docker builds; engines run the vLLM version the Dockerfiles
+    default to and pyproject pins, render sidecars that one or a newer line tested with it."""
     want_tag = f"v{docker.vllm_version}"
     repo, tag = image_parts(f.coordinator_container["image"])
     if repo.rsplit("/", 1)[-1] != docker.coordinator_image:
@@ -643,6 +644,7 @@ def check_images(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
     if tag != docker.project_version and not tag.startswith(docker.project_version + "-"):  # -<extras>
         yield f"[images] coordinator image tag {tag} != project version {docker.project_version}"
     tags: dict[str, str] = {}
+    render_names = {r["name"] for r in f.renders}
     for r in f.renders:
         repo, tag = image_parts(r["image"])
         if repo.rsplit("/", 1)[-1] != docker.render_image:
@@ -657,9 +659,19 @@ def check_images(f: Fleet, s: Settings, docker: DockerFacts) -> Iterator[str]:
             yield (f"[images] {e.name}: {OFFICIAL_VLLM_IMAGE} has no {CPU_TAG_SUFFIX} tag; the CPU engine is "
                    f"{sorted(docker.engine_images)} (deploy/docker/vllm-cpu.Dockerfile)")
         tags[e.name] = tag
+    engine_line = line_of(docker.vllm_version)
     for name, tag in tags.items():
-        if tag.removesuffix(CPU_TAG_SUFFIX) != want_tag:
-            yield f"[images] {name} runs vLLM {tag}; render and engines must all be {want_tag}"
+        if tag.removesuffix(CPU_TAG_SUFFIX) == want_tag:
+            continue
+        # A render sidecar may run a newer line that a suite proved with these engines' line
+        # (coordinator/pipeline/engines/versions.py, docs/versions.md "Mixing lines").
+        if name in render_names and (line_of(tag.removeprefix("v")), engine_line) in TESTED:
+            continue
+        if name in render_names:
+            yield (f"[images] {name} runs vLLM {tag}; a render sidecar must be {want_tag} or a line tested "
+                   f"with {want_tag} engines (docs/versions.md, \"Mixing lines\")")
+        else:
+            yield f"[images] {name} runs vLLM {tag}; engines must all be {want_tag}"
 
 
 def is_cpu_fleet(f: Fleet, docker: DockerFacts) -> bool:

@@ -99,6 +99,15 @@ def test_overlay_renders_validates_and_passes_every_cross_check(
     assert [e for _, errors in results for e in errors] == []
 
 
+def test_a_render_sidecar_may_run_a_line_tested_with_the_engines(
+        rendered: dict[str, list[Obj]], facts: m.DockerFacts) -> None:
+    """0.33 sidecars in front of 0.32 engines is a pair docs/versions.md lists as proved."""
+    objects = copy.deepcopy(rendered["union"])
+    render_c(objects, 1).update(image="llm-coordinator-render:v0.33.0")
+    results = dict(m.cross_check(m.load_fleet(objects), facts))
+    assert results["images"] == []
+
+
 def test_epd_overlay_shares_one_encoder_store_between_both_roles(rendered: dict[str, list[Obj]]) -> None:
     objs = rendered["epd"]
     assert {o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet"} == {"llm-engine", "llm-engine-encode"}
@@ -366,9 +375,12 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "[probes] PodDisruptionBudget llm-coordinator does not select the coordinator pods"),
     ("httpGet probe on the pod's loopback", "union", _render_http_probe,
      "[probes] render-1 listens on 127.0.0.1: an httpGet readinessProbe comes from the node"),
-    ("render on another vLLM", "union",
+    ("render on an older vLLM", "union",
      lambda o: render_c(o, 1).update(image="llm-coordinator-render:v0.31.0"),
-     "[images] render-1 runs vLLM v0.31.0; render and engines must all be v0.32.0"),
+     "[images] render-1 runs vLLM v0.31.0; a render sidecar must be v0.32.0 or a line tested"),
+    ("render on an untested newer vLLM", "pd",
+     lambda o: render_c(o, 1).update(image="llm-coordinator-render:v0.34.0"),
+     "[images] render-1 runs vLLM v0.34.0; a render sidecar must be v0.32.0 or a line tested"),
     ("engine on another vLLM", "pd",
      lambda o: engine(o, "llm-engine-decode").update(image="vllm/vllm-openai:v0.33.0"),
      "[images] llm-engine-decode runs vLLM v0.33.0"),
@@ -389,7 +401,7 @@ BROKEN: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "[images] llm-engine: vllm/vllm-openai has no -cpu tag"),
     ("CPU engine on another vLLM", "cpu",
      lambda o: engine(o).update(image="llm-coordinator-engine:v0.31.0-cpu"),
-     "[images] llm-engine runs vLLM v0.31.0-cpu; render and engines must all be v0.32.0"),
+     "[images] llm-engine runs vLLM v0.31.0-cpu; engines must all be v0.32.0"),
     ("GPU limit in the CPU fleet", "cpu", _gpu_limit,
      "[cpu] llm-engine/engine asks for nvidia.com/gpu in a CPU fleet"),
     ("GPU request on a CPU sidecar", "cpu",
