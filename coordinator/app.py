@@ -51,7 +51,7 @@ from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
 from coordinator.pipeline.service import Pipeline
-from coordinator.pipeline.sidecar import SidecarClient
+from coordinator.pipeline.sidecar import HEALTH_TIMEOUT_S, SidecarClient
 from coordinator.pipeline.topology.attempts import Attempts
 from coordinator.pipeline.topology.dispatcher import Dispatcher
 from coordinator.pipeline.topology.encode import EncodeLeg
@@ -152,10 +152,8 @@ async def _check_vllm_lines(c: Components) -> None:
     sidecars: dict[str, str | None] = {}
     if c.settings.render.enable:
         for sidecar in c.sidecar.sidecars:
-            answer = await c.sidecar.call(sidecar, "GET", "/version")
-            body = answer[1] if answer is not None and answer[0] == 200 else None
-            version = body.get("version") if isinstance(body, dict) else None
-            sidecars[sidecar.url] = version if isinstance(version, str) else None
+            _, version = await versions.read_version(sidecar.http, sidecar.url, HEALTH_TIMEOUT_S)
+            sidecars[sidecar.url] = version
             reason = versions.refusal("render sidecar", sidecar.url, sidecars[sidecar.url])
             if reason:
                 raise versions.IncompatibleVllm(reason)
