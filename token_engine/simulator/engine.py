@@ -310,6 +310,13 @@ class SimEngine:
                     choice.finish_reason, choice.stop_reason = "error", None
                 if choice.finished or not choice.sent_any or choice.unsent >= interval:
                     choice.queue.append(self._flush(choice))
+            done = all(c.finished for c in req.choices)
+            if done:
+                self._maybe_kv_transfer_params(req)
+                # vLLM's scheduler frees a finished request's slot in the step that finishes it, before
+                # its output reaches the API server: a client that sends its next request on reading
+                # the last token never finds this one still running.
+                self._free_slot(req)
             for delta in self._drain(req):
                 yield delta
             if any(c.finish_reason == "error" for c in req.choices):
@@ -320,8 +327,7 @@ class SimEngine:
                 for delta in self._drain(req):
                     yield delta
                 return
-            if all(c.finished for c in req.choices):
-                self._maybe_kv_transfer_params(req)
+            if done:
                 if self._is_trigger_prefill(req):
                     # Layer-wise: the KV went out during the forward pass; "done" before the answer.
                     req.kv_pushed = True
@@ -600,6 +606,10 @@ class SimEngine:
     def _start(self, req: SimRequest) -> None:
         req.status = "running"
         self._running[req.internal_id] = req
+
+    def _free_slot(self, req: SimRequest) -> None:
+        if self._running.pop(req.internal_id, None) is not None:
+            self._schedule()
 
     def _release(self, req: SimRequest) -> None:
         """Free the slot (or the queue entry) and hand the slot to the next waiter."""
