@@ -46,6 +46,8 @@ from coordinator.pipeline.media import MediaPolicy
 from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.responses.chain import ResponseChain, ResponsesIntake
+from coordinator.pipeline.responses.store import open_store
 from coordinator.pipeline.responses.translate import ResponsesTranslator
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
@@ -84,6 +86,7 @@ class Components:
     tenants: TenantDirectory = field(default_factory=lambda: TenantDirectory(TenantsSettings()))
     limiter: TenantLimiter | None = None  # tenants' requests and tokens per minute
     lora: AdapterLoader | None = None     # loads LoRA adapters onto engines on demand
+    responses: ResponseChain = field(default_factory=lambda: ResponseChain(None))  # stored Responses
     _pins: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -141,6 +144,8 @@ class Components:
         if self.native is not None:
             await self.native.client.aclose()
         await self.sidecar.aclose()
+        if self.responses.store is not None:
+            await self.responses.store.aclose()
         if isinstance(self.pipeline.observer, tracing.TracingObserver):  # flush the spans still batched
             await asyncio.to_thread(self.pipeline.observer.shutdown)
 
@@ -271,7 +276,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
-                      tenants=tenants, limiter=limiter, lora=loader)
+                      tenants=tenants, limiter=limiter, lora=loader,
+                      responses=ResponseChain(open_store(settings.responses.store)))
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -305,11 +311,12 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     auth = ApiKeyCheck(directory=c.tenants)
     app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
-    app.include_router(build_responses_router(c.pipeline, ResponsesTranslator(c.sidecar), auth, settings))
+    intake = ResponsesIntake(ResponsesTranslator(c.sidecar), c.responses)
+    app.include_router(build_responses_router(c.pipeline, intake, auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers, models=c.pipeline.catalog.model_list,
-                                             responses=ResponsesTranslator(c.sidecar)))
+                                             responses=intake))
     accounting = Accounting(c.pipeline, c.pipeline.derender, c.ledger, c.admission, c.engines,
                             lambda: c.sidecar.sidecars, lambda: c.registry.engines,
                             c.native.client if c.native is not None else None, trigger=c.trigger)

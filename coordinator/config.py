@@ -761,6 +761,34 @@ class NnrpSettings(_Section):
     )
 
 
+class ResponseStoreSettings(_Section):
+    """Where stored Responses live (``store: true``, ``previous_response_id``, retrieve, delete;
+    docs/responses-api.md, "Stored responses")."""
+
+    backend: Literal["sqlite", "redis", "off"] = Field(
+        default="sqlite", description="sqlite: a file on this pod (workers share it); redis: every replica "
+        "with the same redis_url and namespace sees the same responses; off: nothing is stored (store: true "
+        "is answered store: false, as vLLM without its store)"
+    )
+    path: str = Field(default=".state/responses.sqlite3", description="the SQLite file (sqlite backend)")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="the Redis server (redis backend)")
+    namespace: str = Field(default="llmc", min_length=1, description="key prefix on Redis")
+    ttl_s: float = Field(
+        default=30 * 24 * 3600.0, gt=0, description="a stored response is gone this long after it was "
+        "written (OpenAI keeps them 30 days)"
+    )
+    max_bytes_per_tenant: int = Field(
+        default=256 * 1024 * 1024, ge=1024, description="past this, a tenant's oldest responses are dropped"
+    )
+    timeout_s: float = Field(default=2.0, gt=0, description="one Redis call's connect and read timeout")
+
+
+class ResponsesSettings(_Section):
+    """The OpenAI Responses API (docs/responses-api.md)."""
+
+    store: ResponseStoreSettings = Field(default_factory=ResponseStoreSettings)
+
+
 class Settings(BaseSettings):
     """Root of the configuration tree."""
 
@@ -786,6 +814,7 @@ class Settings(BaseSettings):
     obfuscation: ObfuscationSettings = Field(default_factory=ObfuscationSettings)
     nnrp: NnrpSettings = Field(default_factory=NnrpSettings)
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     engines: list[EngineSettings] = Field(
         default_factory=lambda: [EngineSettings(url="http://127.0.0.1:8200")],
         description="the configured engines (discovered ones are merged in)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ from tests.support import CoordinatorServer, RedisServer, free_port, reserved_po
 
 SERVED = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 2048
+# The test session's stored Responses: one SQLite file for every coordinator of this process (as the
+# workers of one pod share one), outside the checkout.
+RESPONSE_STORE = Path(tempfile.mkdtemp(prefix="llmc-responses-")) / "responses.sqlite3"
 
 
 @dataclass
@@ -138,9 +142,10 @@ def vllm_stack(request: pytest.FixtureRequest, model_dir: Path, logs_dir: Path) 
     engine2 = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="tokens-only",
                          max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "engine2.log", echo=_echo(),
                          kv_events_config=kv_events(events[1]), name="engine2")
+    # Native with its Responses store on (as the coordinator's is by default): store, previous_response_id.
     native = VllmEngine(model_dir, port=free_port(), served_model_name=SERVED, mode="scale-out",
                         max_model_len=MAX_MODEL_LEN, log_path=logs_dir / "native.log", echo=_echo(),
-                        name="native")
+                        name="native", env_overrides={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     engines = [engine, engine2, native]
     try:
         for e in engines:
@@ -190,6 +195,7 @@ def make_settings(render_url: str, engine_urls: list[str], **overrides: Any) -> 
         "render": {"url": render_url},
         "engines": [EngineSettings(url=u) for u in engine_urls],
         "models": [ModelSettings(name=SERVED, aliases=["gpt-4o-mini"])],
+        "responses": {"store": {"path": str(RESPONSE_STORE)}},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):

@@ -43,6 +43,8 @@ class Wire:
     error: Callable[[PipelineError, str | None], Response]
     body: Callable[[dict[str, Any], RequestContext], dict[str, Any]]  # pipeline's JSON answer → the API's
     stream: Callable[[ChunkStream, OnError, Record, RequestContext], AsyncIterator[bytes]]
+    # Runs on a whole JSON answer before it is written, and may change it (Responses stores it).
+    keep: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,9 @@ def sse_frame(event: dict[str, Any]) -> bytes:
 
 async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *, kind: Kind,
                      operation: str, authorize: Callable[[Request], Tenant], wire: Wire,
-                     prepare: Callable[[Any, str], Awaitable[Any]] | None = None) -> Response:
-    """``prepare(body, request_id)``: the API's body → the pipeline's (e.g. Messages → chat), or a
-    ``Prepared`` with the wire to write this request's answer with."""
+                     prepare: Callable[[Any, str, Tenant], Awaitable[Any]] | None = None) -> Response:
+    """``prepare(body, request_id, tenant)``: the API's body → the pipeline's (e.g. Messages → chat), or
+    a ``Prepared`` with the wire to write this request's answer with."""
     limits = settings.limits
     request_id = client_request_id(request.headers.get("x-request-id"), limits.request_id_max_length)
     headers = {"X-Request-Id": request_id}
@@ -100,7 +102,7 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
                                     max_depth=limits.max_json_depth, timeout_s=limits.body_timeout_s)
         native = None
         if prepare is not None:
-            body = await prepare(body, request_id)
+            body = await prepare(body, request_id, tenant)
             if isinstance(body, Prepared):
                 body, wire, native = body.body, body.wire, body.native
         served = await pipeline.serve(
@@ -127,7 +129,10 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         record.complete()
         record.finish()
         assert served.response is not None
-        return JSONResponse(wire.body(served.response, served.ctx), headers=headers)
+        answer = wire.body(served.response, served.ctx)
+        if wire.keep is not None:
+            answer = await wire.keep(answer)
+        return JSONResponse(answer, headers=headers)
     record.transport = "http/sse"
 
     async def release() -> None:

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from coordinator.config import NnrpSettings
 from coordinator.nnrp import frames as F
 from coordinator.nnrp.profile import (
+    COMPLETED,
     MODELS_LIST,
     PROFILE,
     RESPONSES_CREATE,
@@ -58,6 +59,7 @@ from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
 from coordinator.pipeline.errors import ClientGone, PipelineError
+from coordinator.pipeline.responses.chain import Opened
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.translate import in_responses_terms
 
@@ -106,9 +108,12 @@ class Runner(Protocol):
 
 
 class ResponsesForms(Protocol):
-    """``ResponsesTranslator``: a ``/v1/responses`` body → the chat form the pipeline serves."""
+    """``ResponsesIntake``: a ``/v1/responses`` body → the chat form the pipeline serves (read against
+    the response store), and the finished answer → the store."""
 
-    async def form(self, body: Any, request_id: str) -> ResponsesForm: ...
+    async def open(self, body: Any, request_id: str, tenant: str) -> Opened: ...
+
+    async def keep(self, opened: Opened, response: dict[str, Any]) -> None: ...
 
 
 class Mapper(Protocol):
@@ -447,14 +452,15 @@ class Session:
                 return
             body = op.envelope.body
             form: ResponsesForm | None = None
+            opened: Opened | None = None
             native: NativeCall | None = None
             if operation == RESPONSES_CREATE:
                 assert self._responses is not None
                 # The sidecar's conversion, as the HTTP door does it; from here it is a chat request,
                 # or, when the sidecar cannot convert it, the engines' own route (the native chain).
                 try:
-                    form = await self._responses.form(body, op.request_id)
-                    body = form.chat
+                    opened = await self._responses.open(body, op.request_id, self.tenant.name)
+                    form, body = opened.form, opened.form.chat
                 except ConversionUnavailable as exc:
                     native = exc.call
             if op.envelope.policy.cache == "isolated" and "cache_salt" not in body:
@@ -463,9 +469,10 @@ class Session:
                                               operation=operation, tenant=self.tenant, native=native)
             if served.stream is None:
                 response = served.response or {}
-                await self._whole(op, map_native_response(response) if native is not None
-                                  else map_chat_completion(response) if form is None
-                                  else map_response(form, response, served.ctx))
+                events = (map_native_response(response) if native is not None
+                          else map_chat_completion(response) if form is None
+                          else map_response(form, response, served.ctx))
+                await self._whole(op, await self._kept(opened, events))
                 return
             if isinstance(op.mapper, ResponsesStreamMapper):
                 if native is not None:
@@ -492,7 +499,7 @@ class Session:
                 await self._emit(op, dict(owed))
             done = op.mapper.complete()
             if done is not None:
-                await self._emit(op, dict(done))
+                await self._emit(op, dict((await self._kept(opened, [done]))[0]))
         except PipelineError as exc:
             if operation == RESPONSES_CREATE:
                 exc = in_responses_terms(exc)  # name the field the client wrote, as the HTTP door does
@@ -521,6 +528,16 @@ class Session:
                           "transport": f"websocket/{self.encoding}"}
                 with contextlib.suppress(Exception):
                     await self._send(F.diagnostics("summary", record, op=op.id))
+
+    async def _kept(self, opened: Opened | None,
+                    events: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        """Store a stored Responses turn's answer (``response.completed``'s) before it goes out, so a
+        client that chains on that event finds it, as over HTTP."""
+        if opened is not None and opened.turn.store and self._responses is not None:
+            for event in events:
+                if event.get("type") == COMPLETED and isinstance(event.get("response"), dict):
+                    await self._responses.keep(opened, event["response"])
+        return events
 
     async def _whole(self, op: Operation, events: Sequence[Mapping[str, Any]]) -> None:
         """A result mapped at once (non-streaming): its events, unless a cancel already ended it."""

@@ -93,7 +93,7 @@ def test_served_through_the_token_only_engine(vllm_stack: VllmStack, coord: Coor
 
 
 def test_client_errors_name_the_responses_field(coord: CoordinatorServer) -> None:
-    cases = [({**QUESTION, "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    cases = [({**QUESTION, "previous_response_id": "resp_1"}, 404, "previous_response_id"),
              ({**QUESTION, "background": True}, 400, "background"),
              ({**QUESTION, "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type"),
              ({**QUESTION, "model": "no-such-model"}, 404, "model"),
@@ -105,3 +105,28 @@ def test_client_errors_name_the_responses_field(coord: CoordinatorServer) -> Non
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, r.text
+
+
+def test_a_stored_conversation_answers_as_native_with_its_store(vllm_stack: VllmStack,
+                                                                coord: CoordinatorServer) -> None:
+    """Three turns chained by ``previous_response_id``, instructions changing on the way, against
+    native ``vllm serve`` with ``VLLM_ENABLE_RESPONSES_API_STORE``: the same texts turn by turn, and
+    what retrieve answers is what create answered."""
+    turns = [{"instructions": "Answer in one sentence.", "input": "My name is Ada. What is the capital of France?"},
+             {"input": "What is my name?"},
+             {"instructions": "Answer with one word.", "input": "And the capital of Italy?"}]
+    previous: dict[str, str | None] = {"ours": None, "native": None}
+    for turn in turns:
+        answers = {}
+        for side, url in (("ours", coord.url), ("native", vllm_stack.native.url)):
+            body = {"model": SERVED, "max_output_tokens": 24, "temperature": 0, **turn}
+            if previous[side] is not None:
+                body["previous_response_id"] = previous[side]
+            answers[side] = post(f"{url}/v1/responses", body)
+            previous[side] = answers[side]["id"]
+        ours, native = answers["ours"], as_sidecar_line(answers["native"])
+        assert text_of(ours) == text_of(native) != "", (turn, ours, native)
+        assert ours["usage"]["input_tokens"] == native["usage"]["input_tokens"]
+        assert (ours["previous_response_id"] is None) is (turn is turns[0])
+        got = httpx.get(f"{coord.url}/v1/responses/{ours['id']}", timeout=30)
+        assert got.status_code == 200 and got.json() == ours

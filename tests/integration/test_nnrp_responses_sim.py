@@ -129,16 +129,37 @@ async def test_stream_is_numbered_and_its_deltas_are_the_completed_text(
     assert await asyncio.to_thread(released, coord)
 
 
-async def test_previous_response_id_is_refused_naming_it(coord: CoordinatorServer) -> None:
+async def test_an_unknown_previous_response_id_is_a_404_naming_it(coord: CoordinatorServer) -> None:
     refused = body(3, previous_response_id="resp_earlier")
     async with await NnrpClient.connect(ws_url(coord), api_key=KEY) as client:
         events = await (await client.submit(envelope("responses.create", {**refused, "stream": True}))).collect()
     http = await http_post(coord, "/v1/responses", refused)
     assert [e["type"] for e in events] == ["response.error"]
     error = events[0]["error"]
-    assert events[0]["status"] == http.status_code == 400
-    assert error["param"] == "previous_response_id" and "previous_response_id" in error["message"]
+    assert events[0]["status"] == http.status_code == 404
+    assert error["param"] == "previous_response_id" and "resp_earlier" in error["message"]
     assert error == http.json()["error"]  # the HTTP door's error body, as is
+    assert await asyncio.to_thread(released, coord)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_conversation_moves_between_the_doors(coord: CoordinatorServer, stream: bool) -> None:
+    """A turn answered over NNRP is stored as over HTTP (before its ``response.completed`` goes out), so
+    either door continues it; the follow-up's text is the same whichever door asks."""
+    async with await NnrpClient.connect(ws_url(coord), api_key=KEY) as client:
+        events = await (await client.submit(envelope("responses.create", body(1, 8, stream=stream)))).collect()
+        first = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed"
+        got = await asyncio.to_thread(httpx.get, f"{coord.url}/v1/responses/{first['id']}", headers=AUTH)
+        assert got.status_code == 200 and got.json() == first
+        follow = body(2, 8, previous_response_id=first["id"])
+        over_nnrp = await (await client.submit(envelope("responses.create", follow))).collect()
+    over_http = await http_post(coord, "/v1/responses", follow)
+    assert over_http.status_code == 200, over_http.text
+    nnrp_answer = over_nnrp[-1]["response"]
+    assert nnrp_answer["previous_response_id"] == over_http.json()["previous_response_id"] == first["id"]
+    assert message_text(nnrp_answer) == message_text(over_http.json()) != ""
+    assert over_http.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
     assert await asyncio.to_thread(released, coord)
 
 

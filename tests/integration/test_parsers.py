@@ -60,6 +60,7 @@ class ParserStack:
         self.render = render
         self._stack = stack
         self._coords: dict[str, tuple[CoordinatorServer, list[int]]] = {}
+        self.sims: dict[str, Any] = {}  # the scripted engine behind each output's coordinator
 
     @property
     def render_url(self) -> str:
@@ -82,6 +83,7 @@ class ParserStack:
             sim = SimulatedEngine(SimConfig(mode="script", script_tokens=ids, max_model_len=MAX_MODEL_LEN,
                                             stream_interval=stream_interval))
             self._stack.enter_context(sim)
+            self.sims[output] = sim
             # Nothing about parsers in the config: the coordinator learns them from the sidecar.
             settings = make_settings(self.render_url, [sim.url], render={"url": self.render_url})
             coord = self._stack.enter_context(CoordinatorServer(settings))
@@ -294,3 +296,27 @@ async def test_a_pool_of_sidecars_that_disagree_refuses_to_start(parsers: Parser
     message = str(exc.value)
     assert parsers.render_url in message and str(render_sidecar.url) in message
     assert "hermes" in message and "no parsers" in message
+
+
+def test_a_stored_tool_call_carries_into_the_next_responses_turn(parsers: ParserStack) -> None:
+    """Turn one's output is a reasoning item and a function call; turn two sends only the
+    ``function_call_output``. The engine runs the conversation as a client sending it whole would:
+    the call (from the store) with its output, the reasoning dropped (as vLLM drops it)."""
+    coord, _ = parsers.scripted(TOOL_OUTPUT)
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    base = {"model": SERVED, "tools": [tool], "temperature": 0}
+    first = httpx.post(f"{coord.url}/v1/responses", json={**base, "input": "Weather in Paris?"}, timeout=60).json()
+    kinds = [item["type"] for item in first["output"]]
+    assert kinds == ["reasoning", "function_call"], first["output"]
+    call = first["output"][1]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny, 24 C"}
+    second = httpx.post(f"{coord.url}/v1/responses", timeout=60,
+                        json={**base, "previous_response_id": first["id"], "input": [output]})
+    assert second.status_code == 200, second.text
+    whole = [{"role": "user", "content": "Weather in Paris?"},
+             {k: call[k] for k in ("type", "call_id", "name", "arguments")}, output]
+    r = httpx.post(f"{parsers.render_url}/v1/responses/render", json={**base, "input": whole}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert parsers.sims[TOOL_OUTPUT].state()["last_ids"]["token_ids"] == r.json()["token_ids"]
+    assert "Sunny, 24 C" in httpx.post(f"{parsers.render_url}/detokenize", timeout=30,
+                                       json={"tokens": r.json()["token_ids"]}).json()["prompt"]

@@ -93,7 +93,7 @@ def build_router(pipeline: Pipeline, translator: MessagesTranslator, auth: ApiKe
                 stream=lambda session, on_error, record, _: message_events(session, on_error, record))
     native_wire = passthrough_wire(error_response, stream_error)
 
-    async def prepare(body: Any, request_id: str) -> Any:
+    async def prepare(body: Any, request_id: str, _: Tenant) -> Any:
         try:
             return await translator.chat(body, request_id)
         except ConversionUnavailable as exc:

@@ -9,7 +9,7 @@ and the engine's answer comes back as it is.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -24,13 +24,16 @@ from coordinator.observability.record import Record
 from coordinator.pipeline.admission.tenants import Tenant
 from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.context import ChunkStream, RequestContext
-from coordinator.pipeline.errors import PipelineError
+from coordinator.pipeline.errors import BadRequest, PipelineError
 from coordinator.pipeline.responses.answer import ResponseEvents, to_response
+from coordinator.pipeline.responses.chain import ResponseNotFound, ResponsesIntake
 from coordinator.pipeline.responses.convert import Event, ResponsesForm
-from coordinator.pipeline.responses.translate import ResponsesTranslator, in_responses_terms
+from coordinator.pipeline.responses.store import StoredResponse
+from coordinator.pipeline.responses.translate import in_responses_terms
 from coordinator.pipeline.service import Pipeline
 
 OPERATION = "responses.create"
+Keep = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 _encode = msgspec.json.Encoder().encode
 
 
@@ -46,10 +49,12 @@ def _frame(event: Event) -> bytes:
 
 
 async def response_events(form: ResponsesForm, session: ChunkStream, on_error: OnError, record: Record,
-                          ctx: RequestContext) -> AsyncIterator[bytes]:
+                          ctx: RequestContext, keep: Keep | None = None) -> AsyncIterator[bytes]:
     """``response.created`` and ``response.in_progress``, the output items' events, then
     ``response.completed``; a failure after the first byte is an ``error`` event, and the stream ends.
-    The events and their numbers are ``ResponseEvents``', which NNRP sends too."""
+    The events and their numbers are ``ResponseEvents``', which NNRP sends too. ``keep`` stores the
+    whole response before ``response.completed`` goes out, so a client that chains on that event finds
+    it."""
     events = ResponseEvents(form, ctx)
     for event in events.start():
         yield _frame(event)
@@ -68,7 +73,10 @@ async def response_events(form: ResponsesForm, session: ChunkStream, on_error: O
         return
     for event in events.close():
         yield _frame(event)
-    yield _frame(events.completed())
+    completed = events.completed()
+    if keep is not None:
+        completed["response"] = await keep(completed["response"])
+    yield _frame(completed)
     record.complete()
 
 
@@ -80,16 +88,18 @@ def stream_error(exc: PipelineError | None) -> dict[str, Any]:
             "message": err.message if err else "Internal server error", "param": err.param if err else None}
 
 
-def wire_for(form: ResponsesForm) -> Wire:
+def wire_for(form: ResponsesForm, keep: Keep | None = None) -> Wire:
     """How one Responses request's answer is written (it echoes that request's fields)."""
     return Wire(error=responses_error, body=lambda chat, ctx: to_response(form, chat, ctx),
                 stream=lambda session, on_error, record, ctx: response_events(form, session, on_error,
-                                                                              record, ctx))
+                                                                              record, ctx, keep),
+                keep=keep)
 
 
-def build_router(pipeline: Pipeline, translator: ResponsesTranslator, auth: ApiKeyCheck,
+def build_router(pipeline: Pipeline, intake: ResponsesIntake, auth: ApiKeyCheck,
                  settings: Settings) -> APIRouter:
     router = APIRouter()
+    chain = intake.chain
     # Errors before the conversion (credentials, the body) are written by this wire.
     default = Wire(error=responses_error, body=lambda chat, _: chat,
                    stream=lambda *_: _no_stream())
@@ -99,19 +109,101 @@ def build_router(pipeline: Pipeline, translator: ResponsesTranslator, auth: ApiK
 
     native_wire = passthrough_wire(responses_error, stream_error)
 
-    async def prepare(body: Any, request_id: str) -> Prepared:
+    async def prepare(body: Any, request_id: str, tenant: Tenant) -> Prepared:
         try:
-            form = await translator.form(body, request_id)
+            opened = await intake.open(body, request_id, tenant.name)
         except ConversionUnavailable as exc:
             return Prepared(body, native_wire, native=exc.call)
-        return Prepared(form.chat, wire_for(form))
+
+        async def keep(response: dict[str, Any]) -> dict[str, Any]:
+            await intake.keep(opened, response)
+            return response
+
+        return Prepared(opened.form.chat, wire_for(opened.form, keep if opened.turn.store else None))
 
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_http(request, pipeline, settings, kind="chat", operation=OPERATION,
                                 authorize=authorize, wire=default, prepare=prepare)
 
+    async def stored(request: Request, response_id: str) -> tuple[Tenant, StoredResponse]:
+        tenant = authorize(request)
+        if chain.store is None:
+            raise ResponseNotFound(response_id, "response_id")
+        entry = await chain.store.get(tenant.name, response_id)
+        if entry is None:
+            raise ResponseNotFound(response_id, "response_id")
+        return tenant, entry
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Response:
+        try:
+            _, entry = await stored(request, response_id)
+        except PipelineError as exc:
+            return responses_error(exc)
+        if request.query_params.get("stream") in ("true", "1"):
+            return responses_error(BadRequest("stream is for background responses, and background runs are "
+                                              "not served yet", param="stream"))
+        return JSONResponse(entry.response)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> Response:
+        try:
+            tenant = authorize(request)
+            gone = chain.store is not None and await chain.store.delete(tenant.name, response_id)
+        except PipelineError as exc:
+            return responses_error(exc)
+        if not gone:
+            return responses_error(ResponseNotFound(response_id, "response_id"))
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str) -> Response:
+        try:
+            _, entry = await stored(request, response_id)
+            page = item_page(entry.input_items, request.query_params)
+        except PipelineError as exc:
+            return responses_error(exc)
+        return JSONResponse(page)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel(request: Request, response_id: str) -> Response:
+        try:
+            await stored(request, response_id)
+        except PipelineError as exc:
+            return responses_error(exc)
+        # Only a background response can be cancelled (vLLM's and OpenAI's rule); none are run here yet.
+        return responses_error(BadRequest("Cannot cancel a synchronous response.", param="response_id"))
+
     return router
+
+
+def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """OpenAI's list page of input items: ``order`` (``desc``, the default, newest first), ``after`` /
+    ``before`` (an item id), ``limit`` (1 to 100, default 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("order must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise BadRequest("limit must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest("limit must be between 1 and 100", param="limit")
+    ordered = items if order == "asc" else list(reversed(items))
+    ids = [str(item.get("id")) for item in ordered]
+    for name in ("after", "before"):
+        cursor = query.get(name)
+        if cursor is not None and cursor not in ids:
+            raise BadRequest(f"No input item with id '{cursor}'", param=name)
+    if (after := query.get("after")) is not None:
+        ordered = ordered[ids.index(after) + 1:]
+    if (before := query.get("before")) is not None:
+        cut = [str(item.get("id")) for item in ordered]
+        ordered = ordered[:cut.index(before)] if before in cut else ordered
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}
 
 
 async def _no_stream() -> AsyncIterator[bytes]:  # pragma: no cover - prepare always sets the wire

@@ -1,3 +1,4 @@
-"""OpenAI Responses on the chat path: the request's chat form (``translate``) and its output (``convert``)."""
+"""OpenAI Responses on the chat path: the request's chat form (``translate``), its output (``convert``,
+``answer``), and stored responses (``store``) that later turns continue from (``chain``)."""
 
-__all__ = ["answer", "convert", "translate"]
+__all__ = ["answer", "chain", "convert", "store", "translate"]

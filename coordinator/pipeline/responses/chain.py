@@ -1,0 +1,165 @@
+"""A Responses turn that continues a stored one (``previous_response_id``), and what a turn leaves for
+the next (``store``).
+
+A follow-up is rendered as one chat: the stored conversation, then the new input. vLLM's own rule
+(``construct_input_messages`` with a previous response) is followed where it speaks: earlier
+instructions and system messages do not carry over (the new request's ``instructions`` apply), and
+earlier reasoning output is dropped. Where vLLM 0.32 drops more, we keep it: vLLM carries only the
+previous output's *messages*, so the ``function_call`` an agent answers with ``function_call_output``
+would vanish and the model would see a tool result for a call it never made; here the calls stay,
+and render turns them into the assistant's ``tool_calls`` (docs/responses-api.md).
+
+The stored conversation travels as Responses input items, so the render sidecar converts a follow-up
+exactly as it converts a client that sent the whole conversation itself, and the prompt's tokens
+(hence the engine holding its prefix) are the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.responses.convert import ResponsesForm
+from coordinator.pipeline.responses.store import ResponseStore, StoredResponse, StoreUnavailable
+from coordinator.pipeline.responses.translate import ResponsesTranslator
+
+Item = dict[str, Any]
+log = logging.getLogger(__name__)
+
+
+class ResponseNotFound(PipelineError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param=param)
+
+
+@dataclass
+class Turn:
+    """One Responses request, read against the store. ``body``: what the sidecar converts (the
+    stored conversation prepended to ``input``, ``previous_response_id`` taken out)."""
+
+    body: Any
+    store: bool = False
+    previous_id: str | None = None
+    own_input: list[Item] = field(default_factory=list)
+    history: list[Item] = field(default_factory=list)
+
+
+def as_items(value: Any) -> list[Item] | None:
+    """``input`` as items (a string is one user message); None for a shape render will refuse."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        return list(value)
+    return None
+
+
+def _carried(item: Item) -> bool:
+    """Whether an item of an earlier turn reaches the next one (vLLM: no system messages, no reasoning)."""
+    if item.get("type") == "reasoning":
+        return False
+    return not (item.get("type", "message") == "message" and item.get("role") == "system")
+
+
+def listed(items: list[Item], response_id: str) -> list[Item]:
+    """The request's input as ``input_items`` lists it: every item with an id, a message's text as an
+    ``input_text`` part (OpenAI's shape)."""
+    out: list[Item] = []
+    stem = response_id.removeprefix("resp_")
+    for i, item in enumerate(items):
+        entry = dict(item)
+        kind = entry.setdefault("type", "message")
+        if kind == "message" and isinstance(entry.get("content"), str):
+            part = "output_text" if entry.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": entry["content"]}]
+        if kind == "message":
+            entry.setdefault("status", "completed")
+        entry.setdefault("id", f"{'msg' if kind == 'message' else 'item'}_{stem}_{i}")
+        out.append(entry)
+    return out
+
+
+class ResponseChain:
+    """Reads ``previous_response_id`` from the store before render, and keeps a finished turn."""
+
+    def __init__(self, store: ResponseStore | None) -> None:
+        self.store = store
+
+    async def begin(self, body: Any, tenant: str) -> Turn:
+        if not isinstance(body, dict):
+            return Turn(body)
+        if body.get("conversation") is not None:
+            if body.get("previous_response_id") is not None:
+                raise BadRequest("Mutually exclusive parameters: provide only one of 'previous_response_id' "
+                                 "or 'conversation'.", param="conversation")
+            raise BadRequest("conversation is not supported yet: chain turns with previous_response_id",
+                             param="conversation")
+        store = self.store is not None and body.get("store", True) is not False
+        previous = body.get("previous_response_id")
+        own = as_items(body.get("input"))
+        if previous is None:
+            return Turn(body, store=store, own_input=own or [])
+        if not isinstance(previous, str):
+            raise BadRequest("previous_response_id must be a string", param="previous_response_id")
+        if self.store is None:
+            raise BadRequest("previous_response_id needs the response store, and it is off on this server "
+                             "(responses.store.backend); send the whole conversation in 'input'",
+                             param="previous_response_id")
+        entry = await self.store.get(tenant, previous)
+        if entry is None:
+            raise ResponseNotFound(previous, "previous_response_id")
+        rest = {k: v for k, v in body.items() if k != "previous_response_id"}
+        if own is not None:
+            rest["input"] = entry.history + own
+        return Turn(rest, store=store, previous_id=previous, own_input=own or [], history=entry.history)
+
+    async def keep(self, turn: Turn, response: dict[str, Any], tenant: str) -> None:
+        """Store a finished turn (with ``store``): the answer, its input, and the conversation so far."""
+        if not turn.store or self.store is None:
+            return
+        output = [item for item in response.get("output") or [] if isinstance(item, dict)]
+        history = [item for item in turn.history + turn.own_input if _carried(item)]
+        history += [item for item in output if _carried(item)]
+        rid = str(response.get("id") or f"resp_{uuid.uuid4().hex}")
+        await self.store.put(tenant, StoredResponse(rid, response, listed(turn.own_input, rid), history,
+                                                    time.time()))
+
+
+@dataclass
+class Opened:
+    """A Responses request ready for the pipeline: its turn (what to store) and its chat form."""
+
+    turn: Turn
+    form: ResponsesForm
+    tenant: str
+
+
+class ResponsesIntake:
+    """How every door (HTTP, NNRP) takes a Responses request in and keeps its answer: the store's part
+    first (``previous_response_id``), then the sidecar's conversion; ``keep`` once the answer is whole.
+    A request the sidecar cannot convert raises ``ConversionUnavailable`` for the native chain, whose
+    call carries the conversation already read from the store."""
+
+    def __init__(self, translator: ResponsesTranslator, chain: ResponseChain) -> None:
+        self.translator = translator
+        self.chain = chain
+
+    async def open(self, body: Any, request_id: str, tenant: str) -> Opened:
+        turn = await self.chain.begin(body, tenant)
+        form = await self.translator.form(turn.body, request_id)
+        form.response["previous_response_id"] = turn.previous_id
+        return Opened(turn, form, tenant)
+
+    async def keep(self, opened: Opened, response: dict[str, Any]) -> None:
+        """Store the answer. A store that is down costs the client its stored copy, not the answer it
+        waited for (vLLM's response object has no ``store`` field to say so; the log does)."""
+        try:
+            await self.chain.keep(opened.turn, response, opened.tenant)
+        except StoreUnavailable as exc:
+            log.warning("response %s was answered but not stored: %s", response.get("id"), exc.message)

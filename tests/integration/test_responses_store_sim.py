@@ -1,0 +1,249 @@
+"""Stored Responses on the real render sidecar and simulated token-only engines: ``store``,
+``previous_response_id`` (the follow-up's prompt is the whole conversation, token for token),
+retrieve, delete, ``input_items``, tenants that cannot see each other's responses, the OpenAI SDK's
+own calls, two coordinators on one Redis, and a store that is down."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import SERVED, CoordinatorFactory
+from tests.integration.test_messages_sim import released
+from tests.support import RedisServer
+from token_engine.simulator import SimConfig, SimulatedEngine
+
+BODY: dict[str, Any] = {"model": SERVED, "max_output_tokens": 8, "temperature": 0}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TENANTS = {"members": [{"name": "acme", "api_keys": ["k-acme"]}, {"name": "globex", "api_keys": ["k-globex"]}]}
+
+
+@pytest.fixture
+def sim() -> Iterator[SimulatedEngine]:
+    with SimulatedEngine(SimConfig(model=SERVED, seed=5, decode_s_per_token=0.002)) as engine:
+        yield engine
+
+
+def create(url: str, key: str | None = None, **fields: Any) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{url}/v1/responses", json={**BODY, **fields}, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def rendered(render_url: str, body: dict[str, Any]) -> list[int]:
+    """vLLM's own ``/v1/responses/render`` of a stateless body: the prompt native vLLM would run."""
+    r = httpx.post(f"{render_url}/v1/responses/render", json={**BODY, **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    ids: list[int] = r.json()["token_ids"]
+    return ids
+
+
+def said(response: dict[str, Any]) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def test_a_follow_up_runs_the_whole_conversation(render_sidecar: Any, sim: SimulatedEngine,
+                                                 coordinator_factory: CoordinatorFactory) -> None:
+    """Turn two names turn one; the engine runs the prompt a client sending the whole conversation
+    would have run, without turn one's instructions (OpenAI's and vLLM's rule)."""
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    first = create(coord.url, instructions="Answer in French.", input="My name is Ada.")
+    assert first["previous_response_id"] is None and "store" not in first  # vLLM's object has no store
+    second = create(coord.url, previous_response_id=first["id"], input="What is my name?")
+    assert second["previous_response_id"] == first["id"]
+    whole = [{"role": "user", "content": "My name is Ada."},
+             {"type": "message", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": said(first), "annotations": []}]},
+             {"role": "user", "content": "What is my name?"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": whole})
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+
+    # A third turn carries both earlier turns; its own instructions apply to it alone.
+    third = create(coord.url, previous_response_id=second["id"], instructions="Be brief.", input="Thanks!")
+    whole += [{"type": "message", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": said(second), "annotations": []}]},
+              {"role": "user", "content": "Thanks!"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url,
+                                                            {"input": whole, "instructions": "Be brief."})
+    assert third["previous_response_id"] == second["id"]
+    assert released(coord, sim)
+
+
+def test_a_tool_call_and_its_output_carry_over(render_sidecar: Any, sim: SimulatedEngine,
+                                               coordinator_factory: CoordinatorFactory) -> None:
+    """An agent answers a function call in the next turn with only ``function_call_output``: the call
+    itself comes from the store (vLLM 0.32's own store drops it; docs/responses-api.md)."""
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    call = {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    tools = {"tools": [WEATHER], "tool_choice": "none"}  # this sidecar runs no tool parser
+    first = create(coord.url, **tools, input=[{"role": "user", "content": "Weather in Oslo?"}, call])
+    second = create(coord.url, **tools, previous_response_id=first["id"],
+                    input=[{"type": "function_call_output", "call_id": "call_7", "output": "Snow, -3 C"}])
+    whole = [{"role": "user", "content": "Weather in Oslo?"}, call,
+             {"type": "message", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": said(first), "annotations": []}]},
+             {"type": "function_call_output", "call_id": "call_7", "output": "Snow, -3 C"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {**tools, "input": whole})
+    assert second["status"] in ("completed", "incomplete")
+
+
+def test_retrieve_delete_and_input_items(render_sidecar: Any, sim: SimulatedEngine,
+                                         coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    answer = create(coord.url, input=[{"role": "user", "content": f"Item {i}"} for i in range(5)])
+    got = httpx.get(f"{coord.url}/v1/responses/{answer['id']}", timeout=10)
+    assert got.status_code == 200 and got.json() == answer
+
+    items = httpx.get(f"{coord.url}/v1/responses/{answer['id']}/input_items", timeout=10).json()
+    assert items["object"] == "list" and not items["has_more"]
+    assert [i["content"][0]["text"] for i in items["data"]] == [f"Item {i}" for i in (4, 3, 2, 1, 0)]
+    assert all(i["content"][0]["type"] == "input_text" and i["id"] for i in items["data"])
+    page = httpx.get(f"{coord.url}/v1/responses/{answer['id']}/input_items",
+                     params={"order": "asc", "limit": 2, "after": items["data"][-1]["id"]}, timeout=10).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["Item 1", "Item 2"] and page["has_more"]
+    bad = httpx.get(f"{coord.url}/v1/responses/{answer['id']}/input_items", params={"limit": 0}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+    cancel = httpx.post(f"{coord.url}/v1/responses/{answer['id']}/cancel", timeout=10)
+    assert cancel.status_code == 400 and cancel.json()["error"]["param"] == "response_id"
+
+    gone = httpx.delete(f"{coord.url}/v1/responses/{answer['id']}", timeout=10)
+    assert gone.json() == {"id": answer["id"], "object": "response.deleted", "deleted": True}
+    for r in (httpx.get(f"{coord.url}/v1/responses/{answer['id']}", timeout=10),
+              httpx.delete(f"{coord.url}/v1/responses/{answer['id']}", timeout=10)):
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["message"] == f"Response with id '{answer['id']}' not found."
+        assert set(error) == {"message", "type", "param", "code"}
+    follow = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "previous_response_id": answer["id"],
+                                                           "input": "And?"}, timeout=10)
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_streamed_response_is_stored_before_its_completed_event(
+        render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: CoordinatorFactory) -> None:
+    """An agent chains on ``response.completed``: by then the response can be retrieved and continued."""
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    with httpx.stream("POST", f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", "stream": True},
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"response.completed"' in line:
+                completed = json.loads(line[len("data: "):])["response"]
+                got = httpx.get(f"{coord.url}/v1/responses/{completed['id']}", timeout=10)
+                assert got.status_code == 200 and got.json() == completed
+                break
+        else:
+            pytest.fail("no response.completed")
+    assert create(coord.url, previous_response_id=completed["id"], input="More.")["status"]
+
+
+def test_store_false_keeps_nothing(render_sidecar: Any, sim: SimulatedEngine,
+                                   coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    answer = create(coord.url, input="Hi", store=False)
+    assert httpx.get(f"{coord.url}/v1/responses/{answer['id']}", timeout=10).status_code == 404
+
+
+def test_tenants_never_see_each_others_responses(render_sidecar: Any, sim: SimulatedEngine,
+                                                 coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url], tenants=TENANTS)
+    mine = create(coord.url, "k-acme", input="A secret: 4711.")
+    theirs = {"Authorization": "Bearer k-globex"}
+    for r in (httpx.get(f"{coord.url}/v1/responses/{mine['id']}", headers=theirs, timeout=10),
+              httpx.get(f"{coord.url}/v1/responses/{mine['id']}/input_items", headers=theirs, timeout=10),
+              httpx.delete(f"{coord.url}/v1/responses/{mine['id']}", headers=theirs, timeout=10),
+              httpx.post(f"{coord.url}/v1/responses", headers=theirs, timeout=10,
+                         json={**BODY, "previous_response_id": mine["id"], "input": "Repeat it."})):
+        assert r.status_code == 404, r.text
+        assert "4711" not in r.text
+    assert httpx.get(f"{coord.url}/v1/responses/{mine['id']}", headers={"Authorization": "Bearer k-acme"},
+                     timeout=10).status_code == 200
+    assert httpx.get(f"{coord.url}/v1/responses/{mine['id']}", timeout=10).status_code == 401
+
+
+def test_the_openai_sdk_chains_retrieves_lists_and_deletes(
+        render_sidecar: Any, sim: SimulatedEngine, coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    client = openai.OpenAI(base_url=f"{coord.url}/v1", api_key="unused", max_retries=0)
+    first = client.responses.create(model=SERVED, input="My name is Ada.", max_output_tokens=8, temperature=0)
+    second = client.responses.create(model=SERVED, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    items = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in items.data] == ["What is my name?"]  # type: ignore[union-attr]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=SERVED, input="Again?", previous_response_id=first.id)
+    # The chain's later turn stands on its own: it keeps the conversation it was answered in.
+    third = client.responses.create(model=SERVED, input="Spell it.", previous_response_id=second.id,
+                                    max_output_tokens=4, temperature=0)
+    assert third.previous_response_id == second.id
+
+
+def test_what_cannot_be_served_is_refused_naming_the_field(render_sidecar: Any, sim: SimulatedEngine,
+                                                            coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    first = create(coord.url, input="Hi")
+    cases = [({"previous_response_id": 7}, 400, "previous_response_id"),
+             ({"previous_response_id": "resp_nothing"}, 404, "previous_response_id"),
+             ({"conversation": "conv_1"}, 400, "conversation"),
+             ({"conversation": "conv_1", "previous_response_id": first["id"]}, 400, "conversation"),
+             ({"background": True}, 400, "background")]
+    for extra, status, param in cases:
+        r = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", **extra}, timeout=10)
+        assert r.status_code == status, (extra, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    off = coordinator_factory(render_sidecar.url, [sim.url], responses={"store": {"backend": "off"}})
+    kept = create(off.url, input="Hi")  # answered, as vLLM without its store answers, and not kept
+    assert httpx.get(f"{off.url}/v1/responses/{kept['id']}", timeout=10).status_code == 404
+    r = httpx.post(f"{off.url}/v1/responses", json={**BODY, "input": "Hi", "previous_response_id": first["id"]},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_two_coordinators_on_one_redis_share_the_conversation(
+        render_sidecar: Any, sim: SimulatedEngine, redis_server: RedisServer,
+        coordinator_factory: CoordinatorFactory) -> None:
+    store = {"store": {"backend": "redis", "redis_url": redis_server.url, "namespace": "shared"}}
+    a = coordinator_factory(render_sidecar.url, [sim.url], responses=store)
+    b = coordinator_factory(render_sidecar.url, [sim.url], responses=store)
+    first = create(a.url, input="My name is Ada.")
+    second = create(b.url, previous_response_id=first["id"], input="What is my name?")
+    assert httpx.get(f"{a.url}/v1/responses/{second['id']}", timeout=10).json() == second
+    assert httpx.delete(f"{b.url}/v1/responses/{first['id']}", timeout=10).status_code == 200
+    assert httpx.get(f"{a.url}/v1/responses/{first['id']}", timeout=10).status_code == 404
+
+
+def test_a_store_that_is_down_is_a_503_and_stateless_requests_go_on(
+        render_sidecar: Any, sim: SimulatedEngine, redis_server: RedisServer,
+        coordinator_factory: CoordinatorFactory) -> None:
+    store = {"store": {"backend": "redis", "redis_url": redis_server.url, "timeout_s": 0.5}}
+    coord = coordinator_factory(render_sidecar.url, [sim.url], responses=store)
+    first = create(coord.url, input="Hi")
+    redis_server.stop()
+    try:
+        follow = httpx.post(f"{coord.url}/v1/responses", timeout=30,
+                            json={**BODY, "previous_response_id": first["id"], "input": "And?"})
+        assert follow.status_code == 503 and follow.headers["retry-after"] == "1", follow.text
+        assert set(follow.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(f"{coord.url}/v1/responses/{first['id']}", timeout=30).status_code == 503
+        assert create(coord.url, input="Hi", store=False)["status"] in ("completed", "incomplete")
+        # Answered all the same: only the stored copy is lost.
+        assert create(coord.url, input="Hi")["status"] in ("completed", "incomplete")
+    finally:
+        redis_server.start()  # a fresh, empty server on the same port: the store is back
+    again = create(coord.url, input="Hi")
+    assert create(coord.url, previous_response_id=again["id"], input="And?")["previous_response_id"] == again["id"]
+    assert released(coord, sim)
