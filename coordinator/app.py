@@ -46,6 +46,7 @@ from coordinator.pipeline.media import MediaPolicy
 from coordinator.pipeline.messages.translate import MessagesTranslator
 from coordinator.pipeline.native_route import NativeRoute
 from coordinator.pipeline.render import RenderStage
+from coordinator.pipeline.responses.background import BackgroundRuns
 from coordinator.pipeline.responses.chain import ResponseChain, ResponsesIntake
 from coordinator.pipeline.responses.store import open_store
 from coordinator.pipeline.responses.translate import ResponsesTranslator
@@ -87,6 +88,7 @@ class Components:
     limiter: TenantLimiter | None = None  # tenants' requests and tokens per minute
     lora: AdapterLoader | None = None     # loads LoRA adapters onto engines on demand
     responses: ResponseChain = field(default_factory=lambda: ResponseChain(None))  # stored Responses
+    background: BackgroundRuns | None = None   # background Responses runs of this process
     _pins: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -123,6 +125,8 @@ class Components:
 
     async def aclose(self) -> None:
         """Stop background work and close every client (waiting for pending engine aborts)."""
+        if self.background is not None:  # first: their engine requests are aborted through the clients
+            await self.background.aclose()
         if self._sync is not None:
             self._sync.cancel()
         if self._watch is not None:
@@ -277,7 +281,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
                       tenants=tenants, limiter=limiter, lora=loader,
-                      responses=ResponseChain(open_store(settings.responses.store)))
+                      responses=ResponseChain(open_store(settings.responses.store, metrics.store_call)))
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -312,7 +316,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
     intake = ResponsesIntake(ResponsesTranslator(c.sidecar), c.responses)
-    app.include_router(build_responses_router(c.pipeline, intake, auth, settings))
+    c.background = BackgroundRuns(intake, settings.responses.background_lease_s)
+    app.include_router(build_responses_router(c.pipeline, intake, c.background, auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers, models=c.pipeline.catalog.model_list,

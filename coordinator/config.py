@@ -787,6 +787,11 @@ class ResponsesSettings(_Section):
     """The OpenAI Responses API (docs/responses-api.md)."""
 
     store: ResponseStoreSettings = Field(default_factory=ResponseStoreSettings)
+    background_lease_s: float = Field(
+        default=15.0, gt=0, description="a background run's runner renews its lease this often / 3; a run "
+        "whose lease ran out (its process died) reads as failed, and a cancel from another replica stops "
+        "it within lease / 3"
+    )
 
 
 class Settings(BaseSettings):

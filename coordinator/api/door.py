@@ -56,6 +56,7 @@ class Prepared:
     body: Any
     wire: Wire
     native: NativeCall | None = None
+    answered: Response | None = None   # answered already (a background Responses run was started)
 
 
 def passthrough_wire(error: Callable[[PipelineError, str | None], Response],
@@ -104,6 +105,10 @@ async def serve_http(request: Request, pipeline: Pipeline, settings: Settings, *
         if prepare is not None:
             body = await prepare(body, request_id, tenant)
             if isinstance(body, Prepared):
+                if body.answered is not None:
+                    record.complete()
+                    record.finish()
+                    return body.answered
                 body, wire, native = body.body, body.wire, body.native
         served = await pipeline.serve(
             kind, body, request_id,

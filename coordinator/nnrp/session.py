@@ -58,7 +58,7 @@ from coordinator.observability.record import Observer, Record
 from coordinator.pipeline.admission.tenants import ANONYMOUS, Tenant
 from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.context import ChunkStream, Kind, NativeCall, RequestContext
-from coordinator.pipeline.errors import ClientGone, PipelineError
+from coordinator.pipeline.errors import BadRequest, ClientGone, PipelineError
 from coordinator.pipeline.responses.chain import Opened
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.translate import in_responses_terms
@@ -460,6 +460,9 @@ class Session:
                 # or, when the sidecar cannot convert it, the engines' own route (the native chain).
                 try:
                     opened = await self._responses.open(body, op.request_id, self.tenant.name)
+                    if opened.turn.background:
+                        raise BadRequest("background runs are not served over NNRP (an operation is the "
+                                         "run); use POST /v1/responses", param="background")
                     form, body = opened.form, opened.form.chat
                 except ConversionUnavailable as exc:
                     native = exc.call

@@ -164,8 +164,16 @@ class Metrics:
                                       ["engine"], registry=r)
         self.lora_resident = Gauge("coordinator_lora_resident", "Adapters each engine holds (at scrape time)",
                                    ["engine"], registry=r)
+        self.response_store_seconds = Histogram(
+            "coordinator_response_store_seconds", "One call to the Responses store, by operation (get, put, "
+            "delete) and result (ok, unavailable)", ["op", "result"],
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.engine_aborts = Counter("coordinator_engine_aborts", "Abort calls to engines, by the engine's "
                                      "answer (accepted: HTTP 200)", ["result"], registry=r)
+
+    def store_call(self, op: str, result: str, seconds: float) -> None:
+        """One call to the Responses store (``responses/store.py``'s ``TimedStore``)."""
+        self.response_store_seconds.labels(op, result).observe(seconds)
 
     def request_finished(self, record: Record) -> None:
         """One finished observation record."""

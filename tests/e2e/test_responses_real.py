@@ -8,6 +8,7 @@ response object's keys, the event-type sequence and each event's key shape must 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +95,7 @@ def test_served_through_the_token_only_engine(vllm_stack: VllmStack, coord: Coor
 
 def test_client_errors_name_the_responses_field(coord: CoordinatorServer) -> None:
     cases = [({**QUESTION, "previous_response_id": "resp_1"}, 404, "previous_response_id"),
-             ({**QUESTION, "background": True}, 400, "background"),
+             ({**QUESTION, "background": True, "store": False}, 400, "background"),
              ({**QUESTION, "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type"),
              ({**QUESTION, "model": "no-such-model"}, 404, "model"),
              ({**QUESTION, "temperature": 7}, 400, "temperature"),
@@ -130,3 +131,16 @@ def test_a_stored_conversation_answers_as_native_with_its_store(vllm_stack: Vllm
         assert (ours["previous_response_id"] is None) is (turn is turns[0])
         got = httpx.get(f"{coord.url}/v1/responses/{ours['id']}", timeout=30)
         assert got.status_code == 200 and got.json() == ours
+
+
+def test_a_background_run_ends_with_the_answer_native_gives(vllm_stack: VllmStack, coord: CoordinatorServer) -> None:
+    """``background: true`` answers ``queued`` at once; polled, the run ends with native's text."""
+    native = as_sidecar_line(post(f"{vllm_stack.native.url}/v1/responses", QUESTION))
+    queued = post(f"{coord.url}/v1/responses", {**QUESTION, "background": True})
+    assert queued["status"] == "queued" and queued["background"] is True
+    deadline = time.monotonic() + 120
+    while (done := httpx.get(f"{coord.url}/v1/responses/{queued['id']}", timeout=30).json())["status"] in (
+            "queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert done["status"] == "completed" and text_of(done) == text_of(native) != ""
+    assert done["usage"] == native["usage"]

@@ -188,3 +188,12 @@ async def test_conformance_recipes_of_levels_2_and_3_pass(coord: CoordinatorServ
     outcomes = await run_all(ws_url(coord), api_key=KEY, model=SERVED, recipes=recipes)
     assert [(o.recipe_id, o.status, o.detail) for o in outcomes] == [(r.id, PASS, "") for r in recipes]
     assert await asyncio.to_thread(released, coord)
+
+
+async def test_a_background_run_is_refused_over_nnrp_naming_it(coord: CoordinatorServer) -> None:
+    """An operation is the run: a background one (answered at once, run on) has no form in the profile."""
+    async with await NnrpClient.connect(ws_url(coord), api_key=KEY) as client:
+        events = await (await client.submit(envelope("responses.create", body(6, background=True)))).collect()
+    assert [e["type"] for e in events] == ["response.error"]
+    assert events[0]["status"] == 400 and events[0]["error"]["param"] == "background"
+    assert await asyncio.to_thread(released, coord)

@@ -5,7 +5,9 @@ own calls, two coordinators on one Redis, and a store that is down."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,9 +15,10 @@ import httpx
 import openai
 import pytest
 
+from coordinator.pipeline.responses.store import RedisStore, StoredResponse
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.integration.test_messages_sim import released
-from tests.support import RedisServer
+from tests.support import RedisServer, wait_until
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 BODY: dict[str, Any] = {"model": SERVED, "max_output_tokens": 8, "temperature": 0}
@@ -199,8 +202,7 @@ def test_what_cannot_be_served_is_refused_naming_the_field(render_sidecar: Any, 
     cases = [({"previous_response_id": 7}, 400, "previous_response_id"),
              ({"previous_response_id": "resp_nothing"}, 404, "previous_response_id"),
              ({"conversation": "conv_1"}, 400, "conversation"),
-             ({"conversation": "conv_1", "previous_response_id": first["id"]}, 400, "conversation"),
-             ({"background": True}, 400, "background")]
+             ({"conversation": "conv_1", "previous_response_id": first["id"]}, 400, "conversation")]
     for extra, status, param in cases:
         r = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", **extra}, timeout=10)
         assert r.status_code == status, (extra, r.text)
@@ -247,3 +249,123 @@ def test_a_store_that_is_down_is_a_503_and_stateless_requests_go_on(
     again = create(coord.url, input="Hi")
     assert create(coord.url, previous_response_id=again["id"], input="And?")["previous_response_id"] == again["id"]
     assert released(coord, sim)
+
+
+# -- background runs ----------------------------------------------------------------------------------
+@pytest.fixture
+def slow() -> Iterator[SimulatedEngine]:
+    with SimulatedEngine(SimConfig(model=SERVED, seed=5, decode_s_per_token=0.05)) as engine:
+        yield engine
+
+
+def poll(url: str, rid: str, until: tuple[str, ...] = ("completed", "incomplete", "failed", "cancelled"),
+         timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{url}/v1/responses/{rid}", timeout=10)
+        assert r.status_code == 200, r.text
+        if r.json()["status"] in until:
+            answer: dict[str, Any] = r.json()
+            return answer
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} never reached {until}")
+
+
+def test_a_background_run_answers_at_once_and_goes_on(render_sidecar: Any, sim: SimulatedEngine,
+                                                      coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    queued = create(coord.url, input="My name is Ada.", background=True, max_output_tokens=24)
+    assert queued["status"] == "queued" and queued["background"] is True and queued["output"] == []
+    done = poll(coord.url, queued["id"])
+    assert done["status"] == "incomplete" and done["usage"]["output_tokens"] == 24 and said(done)
+    assert done["background"] is True
+    items = httpx.get(f"{coord.url}/v1/responses/{queued['id']}/input_items", timeout=10).json()
+    assert [i["content"][0]["text"] for i in items["data"]] == ["My name is Ada."]
+    follow = create(coord.url, previous_response_id=queued["id"], input="What is my name?")
+    whole = [{"role": "user", "content": "My name is Ada."},
+             {"type": "message", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": said(done), "annotations": []}]},
+             {"role": "user", "content": "What is my name?"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": whole})
+    assert follow["background"] is False
+    cancel = httpx.post(f"{coord.url}/v1/responses/{queued['id']}/cancel", timeout=10)
+    assert cancel.status_code == 400  # it is finished
+    assert released(coord, sim)
+
+
+def test_a_background_stream_survives_its_reader_and_resumes(render_sidecar: Any, slow: SimulatedEngine,
+                                                            coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [slow.url])
+    seen: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{coord.url}/v1/responses", timeout=30,
+                      json={**BODY, "input": "Count.", "background": True, "stream": True,
+                            "max_output_tokens": 30}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[len("data: "):]))
+            if sum(1 for e in seen if e["type"] == "response.output_text.delta") == 3:
+                break  # the reader leaves; the run does not
+    rid = seen[0]["response"]["id"]
+    assert poll(coord.url, rid, ("in_progress",))["status"] == "in_progress"
+    last = seen[-1]["sequence_number"]
+    with httpx.stream("GET", f"{coord.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": last},
+                      timeout=60) as r:
+        rest = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    events = seen + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == said(events[-1]["response"]) == said(poll(coord.url, rid))
+    assert released(coord, slow)
+
+
+def test_cancelling_a_background_run_aborts_it_at_the_engine(render_sidecar: Any, slow: SimulatedEngine,
+                                                             coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [slow.url])
+    queued = create(coord.url, input="Count to a thousand.", background=True, max_output_tokens=400)
+    poll(coord.url, queued["id"], ("in_progress",))
+    assert wait_until(lambda: bool(slow.state()["running"]), 10)
+    r = httpx.post(f"{coord.url}/v1/responses/{queued['id']}/cancel", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert poll(coord.url, queued["id"])["status"] == "cancelled"
+    assert released(coord, slow) and slow.state()["aborted"]
+    again = httpx.post(f"{coord.url}/v1/responses/{queued['id']}/cancel", timeout=10)
+    assert again.status_code == 400
+
+
+def test_background_runs_across_two_coordinators_on_one_redis(
+        render_sidecar: Any, slow: SimulatedEngine, redis_server: RedisServer,
+        coordinator_factory: CoordinatorFactory) -> None:
+    """Polled and cancelled through the replica that does not run it: the runner sees the cancel on its
+    next lease beat; a run whose runner stopped renewing reads as failed."""
+    settings = {"store": {"backend": "redis", "redis_url": redis_server.url, "namespace": "bg"},
+                "background_lease_s": 1.5}
+    a = coordinator_factory(render_sidecar.url, [slow.url], responses=settings)
+    b = coordinator_factory(render_sidecar.url, [slow.url], responses=settings)
+    queued = create(a.url, input="Count to a thousand.", background=True, max_output_tokens=400)
+    assert poll(b.url, queued["id"], ("in_progress",))["status"] == "in_progress"
+    r = httpx.post(f"{b.url}/v1/responses/{queued['id']}/cancel", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert wait_until(lambda: not slow.state()["running"], 10), "the runner did not stop"
+    assert slow.state()["aborted"] and released(a, slow)
+    resume = httpx.get(f"{b.url}/v1/responses/{queued['id']}", params={"stream": "true"}, timeout=10)
+    assert resume.status_code == 400 and resume.json()["error"]["param"] == "stream"
+
+    async def orphan() -> None:  # what a runner that died leaves: in progress, its lease run out
+        store = RedisStore(redis_server.url, "bg", 60.0, 1 << 20, timeout_s=2.0)
+        await store.put("default", StoredResponse("resp_orphan", {"id": "resp_orphan", "status": "in_progress",
+                                                                  "background": True, "output": []},
+                                                  [], [], time.time(), lease_until=time.time() - 1))
+        await store.aclose()
+    asyncio.run(orphan())
+    failed = httpx.get(f"{b.url}/v1/responses/resp_orphan", timeout=10).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+
+
+def test_background_needs_the_store(render_sidecar: Any, sim: SimulatedEngine,
+                                    coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    r = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", "background": True, "store": False},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"

@@ -9,12 +9,13 @@ and the engine's answer comes back as it is.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.door import OnError, Prepared, Wire, passthrough_wire, serve_http
@@ -26,8 +27,9 @@ from coordinator.pipeline.chat_form import ConversionUnavailable
 from coordinator.pipeline.context import ChunkStream, RequestContext
 from coordinator.pipeline.errors import BadRequest, PipelineError
 from coordinator.pipeline.responses.answer import ResponseEvents, to_response
-from coordinator.pipeline.responses.chain import ResponseNotFound, ResponsesIntake
-from coordinator.pipeline.responses.convert import Event, ResponsesForm
+from coordinator.pipeline.responses.background import ACTIVE, BackgroundRuns, Served
+from coordinator.pipeline.responses.chain import Opened, ResponseNotFound, ResponsesIntake
+from coordinator.pipeline.responses.convert import Event, ResponsesForm, envelope
 from coordinator.pipeline.responses.store import StoredResponse
 from coordinator.pipeline.responses.translate import in_responses_terms
 from coordinator.pipeline.service import Pipeline
@@ -96,7 +98,7 @@ def wire_for(form: ResponsesForm, keep: Keep | None = None) -> Wire:
                 keep=keep)
 
 
-def build_router(pipeline: Pipeline, intake: ResponsesIntake, auth: ApiKeyCheck,
+def build_router(pipeline: Pipeline, intake: ResponsesIntake, runs: BackgroundRuns, auth: ApiKeyCheck,
                  settings: Settings) -> APIRouter:
     router = APIRouter()
     chain = intake.chain
@@ -113,13 +115,34 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, auth: ApiKeyCheck,
         try:
             opened = await intake.open(body, request_id, tenant.name)
         except ConversionUnavailable as exc:
+            if isinstance(body, dict) and body.get("background") is True:
+                raise BadRequest("background runs need the render sidecar's conversion, which is not "
+                                 "available now", param="background") from exc
             return Prepared(body, native_wire, native=exc.call)
+        if opened.turn.background:
+            return Prepared(None, default, answered=await background(opened, request_id, tenant))
 
         async def keep(response: dict[str, Any]) -> dict[str, Any]:
             await intake.keep(opened, response)
             return response
 
         return Prepared(opened.form.chat, wire_for(opened.form, keep if opened.turn.store else None))
+
+    async def background(opened: Opened, request_id: str, tenant: Tenant) -> Response:
+        """Start the run, and answer its queued response (or its events, live, for ``stream``)."""
+        form = opened.form
+        queued = envelope(form, response_id=f"resp_{request_id}", model=str(form.response.get("model") or ""),
+                          created=int(time.time()), max_output_tokens=int(form.chat.get("max_tokens") or 0),
+                          output=[], status="queued", usage=None)
+
+        async def serve(chat: dict[str, Any]) -> Served:
+            return await pipeline.serve("chat", chat, request_id, operation=OPERATION, tenant=tenant)
+
+        run = await runs.start(opened, queued, serve)
+        if not form.chat.get("stream"):
+            return JSONResponse(run.response, headers={"X-Request-Id": request_id})
+        return StreamingResponse(_frames(runs.events(run)), media_type="text/event-stream",
+                                 headers={"X-Request-Id": request_id})
 
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -128,23 +151,29 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, auth: ApiKeyCheck,
 
     async def stored(request: Request, response_id: str) -> tuple[Tenant, StoredResponse]:
         tenant = authorize(request)
-        if chain.store is None:
+        if chain.store is None or "#" in response_id:  # "#": the store's own markers, never a response
             raise ResponseNotFound(response_id, "response_id")
         entry = await chain.store.get(tenant.name, response_id)
         if entry is None:
             raise ResponseNotFound(response_id, "response_id")
-        return tenant, entry
+        return tenant, await runs.settled(tenant.name, entry)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(request: Request, response_id: str) -> Response:
         try:
-            _, entry = await stored(request, response_id)
+            tenant, entry = await stored(request, response_id)
+            if request.query_params.get("stream") not in ("true", "1"):
+                return JSONResponse(entry.response)
+            after = _starting_after(request.query_params.get("starting_after"))
+            if not entry.response.get("background"):
+                raise BadRequest("stream is only for background responses", param="stream")
+            run = runs.local(tenant.name, response_id)
+            if run is None:
+                raise BadRequest("this background response's events are kept by the coordinator replica "
+                                 "that runs it; poll it without stream", param="stream")
         except PipelineError as exc:
             return responses_error(exc)
-        if request.query_params.get("stream") in ("true", "1"):
-            return responses_error(BadRequest("stream is for background responses, and background runs are "
-                                              "not served yet", param="stream"))
-        return JSONResponse(entry.response)
+        return StreamingResponse(_frames(runs.events(run, after)), media_type="text/event-stream")
 
     @router.delete("/v1/responses/{response_id}")
     async def delete(request: Request, response_id: str) -> Response:
@@ -169,13 +198,29 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, auth: ApiKeyCheck,
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel(request: Request, response_id: str) -> Response:
         try:
-            await stored(request, response_id)
+            tenant, entry = await stored(request, response_id)
+            if entry.response.get("status") not in ACTIVE:
+                # vLLM's and OpenAI's rule: only a queued or running (background) response can be.
+                raise BadRequest("Cannot cancel a synchronous response.", param="response_id")
+            return JSONResponse(await runs.cancel(tenant.name, entry))
         except PipelineError as exc:
             return responses_error(exc)
-        # Only a background response can be cancelled (vLLM's and OpenAI's rule); none are run here yet.
-        return responses_error(BadRequest("Cannot cancel a synchronous response.", param="response_id"))
 
     return router
+
+
+def _starting_after(value: str | None) -> int:
+    if value is None:
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest("starting_after must be an integer", param="starting_after") from None
+
+
+async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield _frame(event)
 
 
 def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:

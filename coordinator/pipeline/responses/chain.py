@@ -46,6 +46,7 @@ class Turn:
 
     body: Any
     store: bool = False
+    background: bool = False
     previous_id: str | None = None
     own_input: list[Item] = field(default_factory=list)
     history: list[Item] = field(default_factory=list)
@@ -91,6 +92,12 @@ class ResponseChain:
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
 
+    def require(self) -> ResponseStore:
+        """The store, for work that only runs when there is one (background runs)."""
+        if self.store is None:
+            raise StoreUnavailable("the response store is off on this server")
+        return self.store
+
     async def begin(self, body: Any, tenant: str) -> Turn:
         if not isinstance(body, dict):
             return Turn(body)
@@ -101,10 +108,16 @@ class ResponseChain:
             raise BadRequest("conversation is not supported yet: chain turns with previous_response_id",
                              param="conversation")
         store = self.store is not None and body.get("store", True) is not False
+        background = body.get("background") is True
+        if background:
+            if not store:
+                raise BadRequest("background can only be used when `store` is true (and the server's "
+                                 "response store is on)", param="background")
+            body = {k: v for k, v in body.items() if k != "background"}  # the sidecar's form is a turn's
         previous = body.get("previous_response_id")
         own = as_items(body.get("input"))
         if previous is None:
-            return Turn(body, store=store, own_input=own or [])
+            return Turn(body, store=store, background=background, own_input=own or [])
         if not isinstance(previous, str):
             raise BadRequest("previous_response_id must be a string", param="previous_response_id")
         if self.store is None:
@@ -117,7 +130,8 @@ class ResponseChain:
         rest = {k: v for k, v in body.items() if k != "previous_response_id"}
         if own is not None:
             rest["input"] = entry.history + own
-        return Turn(rest, store=store, previous_id=previous, own_input=own or [], history=entry.history)
+        return Turn(rest, store=store, background=background, previous_id=previous, own_input=own or [],
+                    history=entry.history)
 
     async def keep(self, turn: Turn, response: dict[str, Any], tenant: str) -> None:
         """Store a finished turn (with ``store``): the answer, its input, and the conversation so far."""
@@ -154,6 +168,7 @@ class ResponsesIntake:
         turn = await self.chain.begin(body, tenant)
         form = await self.translator.form(turn.body, request_id)
         form.response["previous_response_id"] = turn.previous_id
+        form.response["background"] = turn.background
         return Opened(turn, form, tenant)
 
     async def keep(self, opened: Opened, response: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,23 +43,25 @@ class StoreUnavailable(PipelineError):
 class StoredResponse:
     """One stored response. ``input_items``: the request's own input as items (what ``input_items``
     lists); ``history``: the conversation a follow-up continues from, this turn's output included
-    (built by ``chain.py``)."""
+    (built by ``chain.py``); ``lease_until``: while a background run is going (``background.py``)."""
 
     id: str
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]
     created_at: float
+    lease_until: float | None = None   # a background run's runner renews this while it runs
 
     def encode(self) -> str:
         return json.dumps({"id": self.id, "response": self.response, "input_items": self.input_items,
-                           "history": self.history, "created_at": self.created_at},
-                          separators=(",", ":"), ensure_ascii=False)
+                           "history": self.history, "created_at": self.created_at,
+                           "lease_until": self.lease_until}, separators=(",", ":"), ensure_ascii=False)
 
     @classmethod
     def decode(cls, text: str | bytes) -> StoredResponse:
         data = json.loads(text)
-        return cls(data["id"], data["response"], data["input_items"], data["history"], data["created_at"])
+        return cls(data["id"], data["response"], data["input_items"], data["history"], data["created_at"],
+                   data.get("lease_until"))
 
 
 class ResponseStore(Protocol):
@@ -239,11 +242,50 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def open_store(settings: ResponseStoreSettings) -> ResponseStore | None:
+Observe = Callable[[str, str, float], None]   # operation, result, seconds
+
+
+class TimedStore:
+    """A store whose every call is timed (``coordinator_response_store_seconds``): what storing costs a
+    request, measured where it is paid."""
+
+    def __init__(self, inner: ResponseStore, observe: Observe) -> None:
+        self.inner = inner
+        self._observe = observe
+
+    async def _timed(self, op: str, work: Awaitable[Any]) -> Any:
+        start = time.perf_counter()
+        result = "ok"
+        try:
+            return await work
+        except StoreUnavailable:
+            result = "unavailable"
+            raise
+        finally:
+            self._observe(op, result, time.perf_counter() - start)
+
+    async def put(self, tenant: str, entry: StoredResponse) -> None:
+        await self._timed("put", self.inner.put(tenant, entry))
+
+    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        found: StoredResponse | None = await self._timed("get", self.inner.get(tenant, response_id))
+        return found
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        return bool(await self._timed("delete", self.inner.delete(tenant, response_id)))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def open_store(settings: ResponseStoreSettings, observe: Observe | None = None) -> ResponseStore | None:
     """The configured store (opened on first use), or None when storing is off."""
     if settings.backend == "off":
         return None
+    store: ResponseStore
     if settings.backend == "redis":
-        return RedisStore(settings.redis_url, settings.namespace, settings.ttl_s,
-                          settings.max_bytes_per_tenant, settings.timeout_s)
-    return SqliteStore(settings.path, settings.ttl_s, settings.max_bytes_per_tenant)
+        store = RedisStore(settings.redis_url, settings.namespace, settings.ttl_s,
+                           settings.max_bytes_per_tenant, settings.timeout_s)
+    else:
+        store = SqliteStore(settings.path, settings.ttl_s, settings.max_bytes_per_tenant)
+    return store if observe is None else TimedStore(store, observe)
