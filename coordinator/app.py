@@ -18,6 +18,7 @@ from coordinator.api.anthropic.routes import build_router as build_messages_rout
 from coordinator.api.auth import ApiKeyCheck
 from coordinator.api.metaserver import Metaserver
 from coordinator.api.nnrp.routes import build_nnrp_router
+from coordinator.api.openai.conversations import build_router as build_conversations_router
 from coordinator.api.openai.errors import install_handlers
 from coordinator.api.openai.responses import build_router as build_responses_router
 from coordinator.api.openai.routes import build_router
@@ -318,6 +319,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     intake = ResponsesIntake(ResponsesTranslator(c.sidecar), c.responses)
     c.background = BackgroundRuns(intake, settings.responses.background_lease_s)
     app.include_router(build_responses_router(c.pipeline, intake, c.background, auth, settings))
+    app.include_router(build_conversations_router(c.responses, auth, settings))
     if settings.nnrp.enabled:
         app.include_router(build_nnrp_router(c.pipeline, auth, settings, c.pipeline.observer, drain=drain,
                                              parsers=c.derender_parsers, models=c.pipeline.catalog.model_list,

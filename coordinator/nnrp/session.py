@@ -536,7 +536,7 @@ class Session:
                     events: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
         """Store a stored Responses turn's answer (``response.completed``'s) before it goes out, so a
         client that chains on that event finds it, as over HTTP."""
-        if opened is not None and opened.turn.store and self._responses is not None:
+        if opened is not None and opened.turn.kept and self._responses is not None:
             for event in events:
                 if event.get("type") == COMPLETED and isinstance(event.get("response"), dict):
                     await self._responses.keep(opened, event["response"])

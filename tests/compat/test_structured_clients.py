@@ -72,7 +72,8 @@ def test_openai_sdk_responses_parse(vllm_stack: VllmStack, coord: CoordinatorSer
 def test_langchain_and_the_agents_sdk_get_their_structured_answers(coord: CoordinatorServer) -> None:
     """Before engines learned capabilities every one of these runs failed: a 400 for the schema, or
     for the Agents SDK's required tool the engine's "Structured outputs requires a tokenizer" as an
-    error event after a 200."""
+    error event after a 200. The Agents SDK also runs its tool agent on stored responses
+    (``previous_response_id``) and in a Conversation."""
     proc = run_tool([compat_bin("python"), DRIVERS / "structured_clients.py", f"{coord.url}/v1", SERVED],
                     timeout=600, env=offline_env())
     assert proc.returncode == 0, tail(proc)
@@ -83,4 +84,11 @@ def test_langchain_and_the_agents_sdk_get_their_structured_answers(coord: Coordi
         assert set(out[f"agents_{api}_output_type"]) == {"name", "age"}, out
         assert out[f"agents_{api}_tool_calls"], out  # the required tool ran
         assert set(out[f"agents_{api}_tool_output"]) == {"city", "forecast"}, out
+    # Server-side state (stored responses, a Conversation): the tool loop still closes, each time.
+    for run in ("chained", "continued", "conversation"):
+        assert out[f"agents_{run}_tool_calls"], out
+        assert set(out[f"agents_{run}_output"]) == {"city", "forecast"}, out
+    assert out["agents_chained_responses"] >= 2, out  # the tool's output went back with the id alone
+    kinds = out["agents_conversation_item_types"]
+    assert kinds[0] == "message" and "function_call" in kinds and "function_call_output" in kinds, out
     assert coord.wait_idle() == 0

@@ -60,7 +60,7 @@ class ParserStack:
         self.render = render
         self._stack = stack
         self._coords: dict[str, tuple[CoordinatorServer, list[int]]] = {}
-        self.sims: dict[str, Any] = {}  # the scripted engine behind each output's coordinator
+        self.sims: dict[str, Any] = {}  # the scripted engine behind each coordinator, by the same key
 
     @property
     def render_url(self) -> str:
@@ -83,7 +83,7 @@ class ParserStack:
             sim = SimulatedEngine(SimConfig(mode="script", script_tokens=ids, max_model_len=MAX_MODEL_LEN,
                                             stream_interval=stream_interval))
             self._stack.enter_context(sim)
-            self.sims[output] = sim
+            self.sims[key] = sim
             # Nothing about parsers in the config: the coordinator learns them from the sidecar.
             settings = make_settings(self.render_url, [sim.url], render={"url": self.render_url})
             coord = self._stack.enter_context(CoordinatorServer(settings))
@@ -317,6 +317,6 @@ def test_a_stored_tool_call_carries_into_the_next_responses_turn(parsers: Parser
              {k: call[k] for k in ("type", "call_id", "name", "arguments")}, output]
     r = httpx.post(f"{parsers.render_url}/v1/responses/render", json={**base, "input": whole}, timeout=30)
     assert r.status_code == 200, r.text
-    assert parsers.sims[TOOL_OUTPUT].state()["last_ids"]["token_ids"] == r.json()["token_ids"]
+    assert parsers.sims[f"1:{TOOL_OUTPUT}"].state()["last_ids"]["token_ids"] == r.json()["token_ids"]
     assert "Sunny, 24 C" in httpx.post(f"{parsers.render_url}/detokenize", timeout=30,
                                        json={"tokens": r.json()["token_ids"]}).json()["prompt"]

@@ -201,7 +201,8 @@ def test_what_cannot_be_served_is_refused_naming_the_field(render_sidecar: Any, 
     first = create(coord.url, input="Hi")
     cases = [({"previous_response_id": 7}, 400, "previous_response_id"),
              ({"previous_response_id": "resp_nothing"}, 404, "previous_response_id"),
-             ({"conversation": "conv_1"}, 400, "conversation"),
+             ({"conversation": "conv_1"}, 404, "conversation"),
+             ({"conversation": 7}, 400, "conversation"),
              ({"conversation": "conv_1", "previous_response_id": first["id"]}, 400, "conversation")]
     for extra, status, param in cases:
         r = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", **extra}, timeout=10)
@@ -369,3 +370,59 @@ def test_background_needs_the_store(render_sidecar: Any, sim: SimulatedEngine,
     r = httpx.post(f"{coord.url}/v1/responses", json={**BODY, "input": "Hi", "background": True, "store": False},
                    timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+
+
+# -- conversations ------------------------------------------------------------------------------------
+def test_the_conversations_api_keeps_items_as_openai_documents(render_sidecar: Any, sim: SimulatedEngine,
+                                                               coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url], tenants=TENANTS)
+    acme, globex = {"Authorization": "Bearer k-acme"}, {"Authorization": "Bearer k-globex"}
+    conv = httpx.post(f"{coord.url}/v1/conversations", headers=acme, timeout=10, json={
+        "metadata": {"topic": "demo"}, "items": [{"type": "message", "role": "user", "content": "Hello!"}]}).json()
+    assert conv["object"] == "conversation" and conv["id"].startswith("conv_") and conv["metadata"] == {"topic": "demo"}
+    url = f"{coord.url}/v1/conversations/{conv['id']}"
+    assert httpx.get(url, headers=acme, timeout=10).json() == conv
+    assert httpx.get(url, headers=globex, timeout=10).status_code == 404
+    updated = httpx.post(url, headers=acme, json={"metadata": {"topic": "other"}}, timeout=10).json()
+    assert updated["metadata"] == {"topic": "other"}
+    added = httpx.post(f"{url}/items", headers=acme, timeout=10, json={"items": [
+        {"type": "message", "role": "assistant", "content": "Hi."},
+        {"type": "message", "role": "user", "content": "How are you?"}]}).json()
+    assert added["object"] == "list" and len(added["data"]) == 2
+    listed = httpx.get(f"{url}/items", headers=acme, params={"order": "asc"}, timeout=10).json()
+    assert [(i["role"], i["content"][0]["text"]) for i in listed["data"]] == [
+        ("user", "Hello!"), ("assistant", "Hi."), ("user", "How are you?")]
+    assert listed["data"][1]["content"][0]["type"] == "output_text"
+    one = listed["data"][1]["id"]
+    assert httpx.get(f"{url}/items/{one}", headers=acme, timeout=10).json() == listed["data"][1]
+    assert httpx.delete(f"{url}/items/{one}", headers=acme, timeout=10).json()["id"] == conv["id"]
+    assert httpx.get(f"{url}/items/{one}", headers=acme, timeout=10).status_code == 404
+    too_many = httpx.post(f"{url}/items", headers=acme, timeout=10,
+                          json={"items": [{"role": "user", "content": "x"}] * 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "items"
+    gone = httpx.delete(url, headers=acme, timeout=10).json()
+    assert gone == {"id": conv["id"], "object": "conversation.deleted", "deleted": True}
+    assert httpx.get(url, headers=acme, timeout=10).status_code == 404
+    # A conversation is not a response, on any route.
+    assert httpx.get(f"{coord.url}/v1/responses/{conv['id']}", headers=acme, timeout=10).status_code == 404
+
+
+def test_responses_in_a_conversation_read_it_and_append_to_it(render_sidecar: Any, sim: SimulatedEngine,
+                                                              coordinator_factory: CoordinatorFactory) -> None:
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    client = openai.OpenAI(base_url=f"{coord.url}/v1", api_key="unused", max_retries=0)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."}])
+    first = client.responses.create(model=SERVED, conversation=conv.id, input="Hello!", max_output_tokens=8,
+                                    temperature=0)
+    assert first.conversation is not None and first.conversation.id == conv.id
+    whole = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "Hello!"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": whole})
+    second = create(coord.url, conversation={"id": conv.id}, input="What is my name?", store=False)
+    whole += [{"type": "message", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": first.output_text, "annotations": []}]},
+              {"role": "user", "content": "What is my name?"}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": whole})
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    texts = [part.text for item in items for part in item.content]  # type: ignore[union-attr]
+    assert texts == ["My name is Ada.", "Hello!", first.output_text, "What is my name?", said(second)]
+    assert httpx.get(f"{coord.url}/v1/responses/{second['id']}", timeout=10).status_code == 404  # store: false

@@ -18,6 +18,7 @@ from coordinator.nnrp.profile import ServingCapabilities, build_manifest
 from coordinator.nnrp.session import Session
 from coordinator.pipeline.context import RequestContext
 from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.responses.chain import ResponseChain, ResponsesIntake
 from coordinator.pipeline.responses.convert import ResponsesForm
 
 KEY = "sk-test"
@@ -357,6 +358,11 @@ class Translator:
         return ResponsesForm(chat=chat, response={"object": "response", "id": "", "model": "", "tools": []})
 
 
+def intake(translator: Translator) -> ResponsesIntake:
+    """The stand-in conversion behind the doors' intake, with no response store (nothing kept)."""
+    return ResponsesIntake(translator, ResponseChain(None))  # type: ignore[arg-type]
+
+
 async def start_full(runner: Runner, translator: Translator | None = None,
                      **settings: Any) -> tuple[Pipe, asyncio.Task[None], Session]:
     """A session whose manifest declares responses.create and models.list, as the server's does."""
@@ -364,7 +370,7 @@ async def start_full(runner: Runner, translator: Translator | None = None,
     cfg = NnrpSettings(**{"idle_timeout_s": 5, "heartbeat_s": 1, "initial_credits": 100, **settings})
     manifest = build_manifest(ServingCapabilities(responses=True, models_list=True))
     session = Session(pipe.server, runner, cfg, manifest, ApiKeyCheck([SecretStr(KEY)]),
-                      models=lambda may_use: MODELS, responses=translator or Translator())
+                      models=lambda may_use: MODELS, responses=intake(translator or Translator()))
     task = asyncio.create_task(session.run())
     await handshake(pipe)
     return pipe, task, session
@@ -482,4 +488,4 @@ def test_a_declared_operation_needs_its_means() -> None:
     with pytest.raises(ValueError, match=r"responses\.create"):
         Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, models=lambda may_use: MODELS)
     with pytest.raises(ValueError, match=r"models\.list"):
-        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, responses=Translator())
+        Session(Pipe().server, Runner(), NnrpSettings(), manifest, check, responses=intake(Translator()))

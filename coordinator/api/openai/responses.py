@@ -126,7 +126,7 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, runs: BackgroundRu
             await intake.keep(opened, response)
             return response
 
-        return Prepared(opened.form.chat, wire_for(opened.form, keep if opened.turn.store else None))
+        return Prepared(opened.form.chat, wire_for(opened.form, keep if opened.turn.kept else None))
 
     async def background(opened: Opened, request_id: str, tenant: Tenant) -> Response:
         """Start the run, and answer its queued response (or its events, live, for ``stream``)."""
@@ -151,7 +151,8 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, runs: BackgroundRu
 
     async def stored(request: Request, response_id: str) -> tuple[Tenant, StoredResponse]:
         tenant = authorize(request)
-        if chain.store is None or "#" in response_id:  # "#": the store's own markers, never a response
+        if chain.store is None or not response_id.startswith("resp_") or "#" in response_id:
+            # Conversations (conv_…) and the store's own markers (…#cancel) share the store.
             raise ResponseNotFound(response_id, "response_id")
         entry = await chain.store.get(tenant.name, response_id)
         if entry is None:
@@ -179,7 +180,8 @@ def build_router(pipeline: Pipeline, intake: ResponsesIntake, runs: BackgroundRu
     async def delete(request: Request, response_id: str) -> Response:
         try:
             tenant = authorize(request)
-            gone = chain.store is not None and await chain.store.delete(tenant.name, response_id)
+            gone = (chain.store is not None and response_id.startswith("resp_") and "#" not in response_id
+                    and await chain.store.delete(tenant.name, response_id))
         except PipelineError as exc:
             return responses_error(exc)
         if not gone:

@@ -1,4 +1,5 @@
 """OpenAI Responses on the chat path: the request's chat form (``translate``), its output (``convert``,
-``answer``), and stored responses (``store``) that later turns continue from (``chain``)."""
+``answer``), stored responses (``store``) that later turns continue from (``chain``), background runs
+(``background``) and Conversations (``conversations``)."""
 
-__all__ = ["answer", "chain", "convert", "store", "translate"]
+__all__ = ["answer", "background", "chain", "conversations", "convert", "store", "translate"]

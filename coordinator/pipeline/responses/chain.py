@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.pipeline.errors import BadRequest, PipelineError
+from coordinator.pipeline.responses.conversations import Conversations
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.store import ResponseStore, StoredResponse, StoreUnavailable
 from coordinator.pipeline.responses.translate import ResponsesTranslator
@@ -50,6 +51,12 @@ class Turn:
     previous_id: str | None = None
     own_input: list[Item] = field(default_factory=list)
     history: list[Item] = field(default_factory=list)
+    conversation: str | None = None
+
+    @property
+    def kept(self) -> bool:
+        """Whether its answer goes to the store: as a response (``store``), or into a conversation."""
+        return self.store or self.conversation is not None
 
 
 def as_items(value: Any) -> list[Item] | None:
@@ -59,6 +66,14 @@ def as_items(value: Any) -> list[Item] | None:
     if isinstance(value, list) and all(isinstance(item, dict) for item in value):
         return list(value)
     return None
+
+
+def as_input(item: Item) -> Item:
+    """A conversation's item as request input: a user, system or developer message without the id
+    and status a conversation gives it (input messages have neither); the rest as kept."""
+    if item.get("type", "message") == "message" and item.get("role") != "assistant":
+        return {k: v for k, v in item.items() if k not in ("id", "status")}
+    return item
 
 
 def _carried(item: Item) -> bool:
@@ -101,12 +116,10 @@ class ResponseChain:
     async def begin(self, body: Any, tenant: str) -> Turn:
         if not isinstance(body, dict):
             return Turn(body)
-        if body.get("conversation") is not None:
-            if body.get("previous_response_id") is not None:
-                raise BadRequest("Mutually exclusive parameters: provide only one of 'previous_response_id' "
-                                 "or 'conversation'.", param="conversation")
-            raise BadRequest("conversation is not supported yet: chain turns with previous_response_id",
-                             param="conversation")
+        conversation = body.get("conversation")
+        if conversation is not None and body.get("previous_response_id") is not None:
+            raise BadRequest("Mutually exclusive parameters: provide only one of 'previous_response_id' "
+                             "or 'conversation'.", param="conversation")
         store = self.store is not None and body.get("store", True) is not False
         background = body.get("background") is True
         if background:
@@ -116,10 +129,14 @@ class ResponseChain:
             body = {k: v for k, v in body.items() if k != "background"}  # the sidecar's form is a turn's
         previous = body.get("previous_response_id")
         own = as_items(body.get("input"))
+        if conversation is not None:
+            return await self._in_conversation(body, conversation, tenant, store, background, own)
         if previous is None:
             return Turn(body, store=store, background=background, own_input=own or [])
-        if not isinstance(previous, str):
-            raise BadRequest("previous_response_id must be a string", param="previous_response_id")
+        if not isinstance(previous, str) or not previous.startswith("resp_") or "#" in previous:
+            if not isinstance(previous, str):
+                raise BadRequest("previous_response_id must be a string", param="previous_response_id")
+            raise ResponseNotFound(previous, "previous_response_id")
         if self.store is None:
             raise BadRequest("previous_response_id needs the response store, and it is off on this server "
                              "(responses.store.backend); send the whole conversation in 'input'",
@@ -133,11 +150,33 @@ class ResponseChain:
         return Turn(rest, store=store, background=background, previous_id=previous, own_input=own or [],
                     history=entry.history)
 
+    async def _in_conversation(self, body: dict[str, Any], conversation: Any, tenant: str, store: bool,
+                               background: bool, own: list[Item] | None) -> Turn:
+        """A response in a conversation: its items first, then the input; both appended when answered."""
+        cid = conversation.get("id") if isinstance(conversation, dict) else conversation
+        if not isinstance(cid, str):
+            raise BadRequest("conversation must be a conversation id or {\"id\": ...}", param="conversation")
+        if self.store is None:
+            raise BadRequest("conversation needs the response store, and it is off on this server",
+                             param="conversation")
+        entry = await Conversations(self.store).get(tenant, cid, param="conversation")
+        history = [as_input(item) for item in entry.input_items if item.get("type") != "reasoning"]
+        rest = {k: v for k, v in body.items() if k != "conversation"}
+        if own is not None:
+            rest["input"] = history + own
+        return Turn(rest, store=store, background=background, own_input=own or [], history=history,
+                    conversation=cid)
+
     async def keep(self, turn: Turn, response: dict[str, Any], tenant: str) -> None:
-        """Store a finished turn (with ``store``): the answer, its input, and the conversation so far."""
-        if not turn.store or self.store is None:
+        """Store a finished turn: the answer, its input, and the conversation so far (with ``store``);
+        its input and output appended to its conversation (with ``conversation``, whatever ``store``)."""
+        if self.store is None:
             return
         output = [item for item in response.get("output") or [] if isinstance(item, dict)]
+        if turn.conversation is not None:
+            await Conversations(self.store).append(tenant, turn.conversation, turn.own_input + output)
+        if not turn.store:
+            return
         history = [item for item in turn.history + turn.own_input if _carried(item)]
         history += [item for item in output if _carried(item)]
         rid = str(response.get("id") or f"resp_{uuid.uuid4().hex}")
@@ -169,6 +208,8 @@ class ResponsesIntake:
         form = await self.translator.form(turn.body, request_id)
         form.response["previous_response_id"] = turn.previous_id
         form.response["background"] = turn.background
+        if turn.conversation is not None:  # OpenAI's field; vLLM's object has none (it has no conversations)
+            form.response["conversation"] = {"id": turn.conversation}
         return Opened(turn, form, tenant)
 
     async def keep(self, opened: Opened, response: dict[str, Any]) -> None:

@@ -75,6 +75,34 @@ async def agents(base_url: str, model: str) -> dict[str, Any]:
         weather = await Runner.run(tool_agent, "What is the weather in Paris?", max_turns=4)
         out[f"agents_{api}_tool_calls"] = list(calls)
         out[f"agents_{api}_tool_output"] = weather.final_output.model_dump()
+    out.update(await stored_agents(client, tool_agent))
+    return out
+
+
+async def stored_agents(client: AsyncOpenAI, tool_agent: Agent[Any]) -> dict[str, Any]:
+    """The same tool agent on server-side state: each model call after the first sends only its new
+    items (the tool's output) with ``previous_response_id`` (``auto_previous_response_id``), a second
+    run continues the first's last response, and a third keeps its turns in a Conversation."""
+    out: dict[str, Any] = {}
+    calls.clear()
+    first = await Runner.run(tool_agent, "What is the weather in Paris?", max_turns=4,
+                             auto_previous_response_id=True)
+    out["agents_chained_tool_calls"] = list(calls)
+    out["agents_chained_output"] = first.final_output.model_dump()
+    out["agents_chained_responses"] = len(first.raw_responses)
+    calls.clear()
+    second = await Runner.run(tool_agent, "And in Rome?", max_turns=4, previous_response_id=first.last_response_id,
+                              auto_previous_response_id=True)
+    out["agents_continued_tool_calls"] = list(calls)
+    out["agents_continued_output"] = second.final_output.model_dump()
+    conversation = await client.conversations.create()
+    calls.clear()
+    third = await Runner.run(tool_agent, "What is the weather in Oslo?", max_turns=4,
+                             conversation_id=conversation.id)
+    out["agents_conversation_tool_calls"] = list(calls)
+    out["agents_conversation_output"] = third.final_output.model_dump()
+    items = await client.conversations.items.list(conversation.id, order="asc")
+    out["agents_conversation_item_types"] = [item.type for item in items.data]
     return out
 
 
