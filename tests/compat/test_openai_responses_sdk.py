@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import SERVED
+from tests.conftest import SERVED, VllmStack
 from tests.support import CoordinatorServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.compat]
@@ -72,6 +72,48 @@ def test_conversation_in_input_items(client: openai.OpenAI, greedy: openai.types
 def test_errors_are_typed(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input=QUESTION)
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.NotFoundError) as missing:
         client.responses.create(model=SERVED, input=QUESTION, previous_response_id="resp_0")
-    assert "previous_response_id" in str(bad.value)
+    assert "resp_0" in str(missing.value) and missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=SERVED, input=QUESTION, background=True, store=False)
+    assert "background" in str(bad.value)
+
+
+def test_stored_responses_through_the_strict_sdk(client: openai.OpenAI, vllm_stack: VllmStack) -> None:
+    """Every stored-response call the SDK makes, each answer validated by its models: a chain whose
+    texts equal native vLLM's with its store on, retrieve, input items, delete; a background run
+    resumed by sequence number; a conversation's items."""
+    with openai.OpenAI(base_url=f"{vllm_stack.native.url}/v1", api_key="unused", max_retries=0) as native:
+        ours_first = client.responses.create(model=SERVED, input="My name is Ada.", temperature=0,
+                                             max_output_tokens=16)
+        native_first = native.responses.create(model=SERVED, input="My name is Ada.", temperature=0,
+                                               max_output_tokens=16)
+        ours = client.responses.create(model=SERVED, input="What is my name?", temperature=0,
+                                       max_output_tokens=16, previous_response_id=ours_first.id)
+        theirs = native.responses.create(model=SERVED, input="What is my name?", temperature=0,
+                                         max_output_tokens=16, previous_response_id=native_first.id)
+    assert ours.output_text == theirs.output_text != "" and ours.previous_response_id == ours_first.id
+    assert client.responses.retrieve(ours.id).output_text == ours.output_text
+    assert [i.type for i in client.responses.input_items.list(ours.id).data] == ["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(ours.id)  # a finished, synchronous response
+    client.responses.delete(ours_first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ours_first.id)
+
+    queued = client.responses.create(model=SERVED, input=QUESTION, temperature=0, max_output_tokens=30,
+                                     background=True)
+    assert queued.status == "queued" and queued.background
+    with client.responses.retrieve(queued.id, stream=True, starting_after=1) as events:
+        seen = list(events)
+    assert seen[0].sequence_number == 2 and seen[-1].type == "response.completed"
+    assert seen[-1].response.output_text == client.responses.retrieve(queued.id).output_text  # type: ignore[union-attr]
+
+    conversation = client.conversations.create(items=[{"type": "message", "role": "user", "content": "Hi!"}])
+    answer = client.responses.create(model=SERVED, input=QUESTION, temperature=0, max_output_tokens=8,
+                                     conversation=conversation.id)
+    assert answer.conversation is not None and answer.conversation.id == conversation.id
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.type for i in items] == ["message", "message", "message"]
+    client.conversations.delete(conversation.id)
