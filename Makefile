@@ -95,7 +95,7 @@ lint: venv
 # their reports. Run it on a quiet machine: the figures are ratios, but a busy machine still skews them.
 BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost parser_chunking \
               ab_native profile_mapper nnrp_latency nnrp_long_context topologies fleet_admission fairness lora \
-              multimodal text_paths
+              multimodal text_paths responses_store
 
 bench: venv model vision-model
 	@set -e; for b in $(BENCHMARKS); do echo "== perf.$$b"; $(PY) -m perf.$$b; done

@@ -74,6 +74,10 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: Any = None
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else int(self._proc.pid)
+
     def start(self, timeout: float = 20.0) -> RedisServer:
         import socket
         import subprocess

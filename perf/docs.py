@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("stream_overhead", "scheduler_latency", "kv_affinity", "overload", "capacity",
               "capacity_hermes", "derender_cost", "parser_chunking", "ab_native", "profile_mapper",
               "nnrp_latency", "nnrp_long_context", "topologies", "fleet_admission", "fairness", "lora",
-              "multimodal", "text_paths")
+              "multimodal", "text_paths", "responses_store")
 
 
 def block(name: str, body: str) -> str:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -426,3 +427,21 @@ def test_responses_in_a_conversation_read_it_and_append_to_it(render_sidecar: An
     texts = [part.text for item in items for part in item.content]  # type: ignore[union-attr]
     assert texts == ["My name is Ada.", "Hello!", first.output_text, "What is my name?", said(second)]
     assert httpx.get(f"{coord.url}/v1/responses/{second['id']}", timeout=10).status_code == 404  # store: false
+
+
+def test_responses_store_benchmark_quick(render_sidecar: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """perf.responses_store's smoke run: every variant answers every turn, each store's own time and the
+    engines' hits are measured, the report and plot are written (the figures are the benchmark's)."""
+    import perf._report
+    from perf import responses_store
+
+    monkeypatch.setattr(perf._report, "OUT_ROOT", tmp_path)
+    responses_store.main(["--quick", "--render-url", str(render_sidecar.url)])
+    head = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])
+    assert head["benchmark"] == "responses_store" and head["failed"] == 0
+    runs = {r["variant"]: r for r in json.loads((tmp_path / "responses_store" / "result.json").read_text())["runs"]}
+    assert set(runs) == {"stateless", "sqlite", "redis"} and all(r["requests"] == 12 for r in runs.values())
+    assert runs["sqlite"]["put_calls"] == 12 and runs["redis"]["get_calls"] == 8  # 4 conversations x 2 follow-ups
+    assert head["sqlite_store_alone_p50_ms"] > 0 and head["redis_followup_hit_rate"] > 0
+    assert (tmp_path / "responses_store" / "responses_store.png").stat().st_size > 0
