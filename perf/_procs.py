@@ -284,3 +284,13 @@ def sidecar_pid(sidecar: Any) -> int | None:
     proc = getattr(sidecar, "process", None)
     pid = getattr(proc, "pid", None)
     return pid if isinstance(pid, int) else None
+
+
+async def sim_cache_counts(client: Any, sims: Sequence[str]) -> tuple[float, float]:
+    """The simulated engines' prefix-cache counters summed (``/sim/state``): tokens found, looked up."""
+    hits = queries = 0.0
+    for u in sims:
+        state = (await client.get(f"{u}/sim/state", timeout=30)).json()["prefix_cache"]
+        hits += float(state["hits"])
+        queries += float(state["queries"])
+    return hits, queries

@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from perf import _report
-from perf._procs import CoordinatorProcess, render_config, render_sidecars, sim_engines
+from perf._procs import CoordinatorProcess, render_config, render_sidecars, sim_cache_counts, sim_engines
 from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "multimodal"
@@ -147,7 +147,7 @@ async def conversations(url: str, args: argparse.Namespace, sims: list[str], say
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         previous: dict[int, int] = {}
         for t in range(args.turns):
-            before = await cache_counts(client, sims)
+            before = await sim_cache_counts(client, sims)
             tasks = []
             order = list(histories)
             rng.shuffle(order)
@@ -155,7 +155,7 @@ async def conversations(url: str, args: argparse.Namespace, sims: list[str], say
                 await asyncio.sleep(rng.expovariate(args.rate))
                 tasks.append(asyncio.create_task(one(client, url, k, histories[k], args.max_tokens)))
             done = await asyncio.gather(*tasks)
-            after = await cache_counts(client, sims)
+            after = await sim_cache_counts(client, sims)
             for turn in done:
                 histories[turn.conversation] += [
                     {"role": "assistant", "content": turn.text},
@@ -173,15 +173,6 @@ async def conversations(url: str, args: argparse.Namespace, sims: list[str], say
             bad = sum(1 for x in done if x.status != 200)
             say(f"  turn {t + 1}/{args.turns}: {len(done)} requests, {bad} failed")
     return run
-
-
-async def cache_counts(client: httpx.AsyncClient, sims: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for u in sims:
-        state = (await client.get(f"{u}/sim/state", timeout=30)).json()["prefix_cache"]
-        hits += float(state["hits"])
-        queries += float(state["queries"])
-    return hits, queries
 
 
 def engine_configs(args: argparse.Namespace, policy: str, store: Path) -> list[dict[str, Any]]:

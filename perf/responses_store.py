@@ -45,6 +45,7 @@ from perf._procs import (
     render_config,
     render_sidecars,
     sidecar_pid,
+    sim_cache_counts,
     sim_engines,
     tree_cpu_s,
 )
@@ -119,13 +120,13 @@ async def drive(url: str, variant: str, args: argparse.Namespace, sims: list[str
     run = Run(variant)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=128)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        before = await cache_counts(client, sims)
+        before = await sim_cache_counts(client, sims)
         prompts: dict[int, list[int]] = {}
         start = time.perf_counter()
         await asyncio.gather(*(conversation(client, url, k, variant, args, run, prompts)
                                for k in range(args.conversations)))
         run.seconds = time.perf_counter() - start
-        after = await cache_counts(client, sims)
+        after = await sim_cache_counts(client, sims)
         first_turns = sum(p[0] for p in prompts.values() if p)
         # Follow-ups only: the opening turns are all new (their lookups hit nothing, as the oracle's).
         run.hits = after[0] - before[0]
@@ -134,15 +135,6 @@ async def drive(url: str, variant: str, args: argparse.Namespace, sims: list[str
         run.store = store_times(await client.get(f"{url}/metrics"), len(run.latencies))
     say(f"  {variant}: {len(run.latencies)} answered, {run.failed} failed in {run.seconds:.1f} s")
     return run
-
-
-async def cache_counts(client: httpx.AsyncClient, sims: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for u in sims:
-        state = (await client.get(f"{u}/sim/state", timeout=30)).json()["prefix_cache"]
-        hits += float(state["hits"])
-        queries += float(state["queries"])
-    return hits, queries
 
 
 _SAMPLE = re.compile(r'^coordinator_response_store_seconds_(bucket|sum|count)\{([^}]*)\} (\S+)$')
