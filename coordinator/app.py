@@ -51,6 +51,7 @@ from coordinator.pipeline.responses.background import BackgroundRuns
 from coordinator.pipeline.responses.chain import ResponseChain, ResponsesIntake
 from coordinator.pipeline.responses.store import open_store
 from coordinator.pipeline.responses.translate import ResponsesTranslator
+from coordinator.pipeline.responses.truncation import Measure
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import PreciseIndexSource
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
@@ -90,6 +91,7 @@ class Components:
     lora: AdapterLoader | None = None     # loads LoRA adapters onto engines on demand
     responses: ResponseChain = field(default_factory=lambda: ResponseChain(None))  # stored Responses
     background: BackgroundRuns | None = None   # background Responses runs of this process
+    measure: Measure | None = None   # render's token count of a chat form (Responses truncation: auto)
     _pins: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _sync: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _watch: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -258,14 +260,15 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     local = LocalTokenizers({m.name: m.tokenizer_path or m.path for m in settings.models})
     derenderer = Derenderer(sidecar, parsers=settings.render.parsers,
                             coalesce_with_parsers=settings.stream.coalesce_with_parsers)
+    render = RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
+                         enabled=settings.render.enable,
+                         context_budget=settings.limits.context_budget_mode,
+                         engine_lengths=registry.max_model_lens,
+                         prefix_block_size=None if prefix.source == "none" else prefix.block_size,
+                         media=MediaPolicy(settings.media), media_hashes=prefix.media, native_route=native)
     pipeline = Pipeline(
         catalog=catalog,
-        render=RenderStage(sidecar, catalog, settings.limits.default_max_tokens, local=local,
-                           enabled=settings.render.enable,
-                           context_budget=settings.limits.context_budget_mode,
-                           engine_lengths=registry.max_model_lens,
-                           prefix_block_size=None if prefix.source == "none" else prefix.block_size,
-                           media=MediaPolicy(settings.media), media_hashes=prefix.media, native_route=native),
+        render=render,
         dispatcher=Dispatcher(engines, attempts, settings.topology, board,
                               EncodeLeg(engines, registry, attempts, settings.topology.encode, metrics)),
         derender=Derender(derenderer, settings.stream.queue_chunks,
@@ -282,7 +285,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                       pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
                       tenants=tenants, limiter=limiter, lora=loader,
-                      responses=ResponseChain(open_store(settings.responses.store, metrics.store_call)))
+                      responses=ResponseChain(open_store(settings.responses.store, metrics.store_call)),
+                      measure=render.measure if settings.render.enable else None)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
@@ -316,7 +320,7 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
     auth = ApiKeyCheck(directory=c.tenants)
     app.include_router(build_router(c.pipeline, auth, settings))
     app.include_router(build_messages_router(c.pipeline, MessagesTranslator(c.sidecar), auth, settings))
-    intake = ResponsesIntake(ResponsesTranslator(c.sidecar), c.responses)
+    intake = ResponsesIntake(ResponsesTranslator(c.sidecar), c.responses, c.measure)
     c.background = BackgroundRuns(intake, settings.responses.background_lease_s)
     app.include_router(build_responses_router(c.pipeline, intake, c.background, auth, settings))
     app.include_router(build_conversations_router(c.responses, auth, settings))

@@ -25,7 +25,8 @@ and ``max_output_tokens`` (which needs the prompt's length) when the answer is i
 Refused with a 400 naming the field, because this path is stateless and runs no tools itself:
 ``previous_response_id`` (as vLLM's render does), ``background``, built-in tools (anything but
 ``function``, ``custom`` and ``namespace`` tools), a ``tool_choice`` that is not ``auto``, ``none``,
-``required`` or one function, and ``truncation: "auto"`` (the chat path renders whole prompts).
+``required`` or one function, and ``truncation: "auto"`` (the coordinator cuts the input to fit
+before it asks for the chat form: ``coordinator/pipeline/responses/truncation.py``).
 Harmony models (gpt-oss) render their own format and are refused by the coordinator's path.
 """
 

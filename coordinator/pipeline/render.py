@@ -135,6 +135,20 @@ class RenderStage:
         requested = self._budget(ctx, [len(g["token_ids"]) for g in rendered], max_len)
         ctx.prompts = [self._plan(i, g, ctx, requested, max_len) for i, g in enumerate(rendered)]
 
+    async def measure(self, chat: dict[str, Any]) -> tuple[int, int]:
+        """The tokens render makes of a chat body's prompt, and the context it must fit with its output
+        (Responses' ``truncation: "auto"`` cuts a conversation to fit by this count)."""
+        entry = self._catalog.resolve(chat.get("model"))
+        body = {k: v for k, v in chat.items()
+                if k not in ("max_tokens", "max_completion_tokens", "stream", "stream_options")}
+        out = await self._sidecar.post("/v1/chat/completions/render", body, stage="render")
+        first = out[0] if isinstance(out, list) and out else out
+        ids = first.get("token_ids") if isinstance(first, dict) else None
+        if not isinstance(ids, list):
+            raise UpstreamUnavailable("render sidecar returned no token ids")
+        model_len = await self._catalog.max_model_len(entry)
+        return len(ids), min([model_len, *self._engine_lengths(entry.name)])
+
     def _context(self, ctx: RequestContext, model_len: int) -> int:
         """The context every prompt must fit: the model's, or a shorter engine's."""
         return min([model_len, *self._engine_lengths(ctx.model)])

@@ -445,3 +445,35 @@ def test_responses_store_benchmark_quick(render_sidecar: Any, tmp_path: Path, mo
     assert runs["sqlite"]["put_calls"] == 12 and runs["redis"]["get_calls"] == 8  # 4 conversations x 2 follow-ups
     assert head["sqlite_store_alone_p50_ms"] > 0 and head["redis_followup_hit_rate"] > 0
     assert (tmp_path / "responses_store" / "responses_store.png").stat().st_size > 0
+
+
+# -- truncation: auto ---------------------------------------------------------------------------------
+def test_truncation_auto_drops_the_oldest_turns_to_fit(render_sidecar: Any, sim: SimulatedEngine,
+                                                       coordinator_factory: CoordinatorFactory) -> None:
+    """Three long turns do not fit the 2,048-token context: ``disabled`` (the default) is a 400 naming
+    ``input``; ``auto`` runs the newest turns that fit, cut at a turn's start, and says so."""
+    coord = coordinator_factory(render_sidecar.url, [sim.url])
+    long = [f"Turn {t}: " + "lighthouse " * 700 for t in range(3)]
+    first = create(coord.url, input=long[0])
+    second = create(coord.url, previous_response_id=first["id"], input=long[1])
+    refused = httpx.post(f"{coord.url}/v1/responses", timeout=30,
+                         json={**BODY, "previous_response_id": second["id"], "input": long[2]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input", refused.text
+    third = create(coord.url, previous_response_id=second["id"], input=long[2], truncation="auto")
+    assert third["truncation"] == "auto" and third["previous_response_id"] == second["id"]
+    kept = [{"role": "user", "content": long[1]},
+            {"type": "message", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": said(second), "annotations": []}]},
+            {"role": "user", "content": long[2]}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": kept})
+    # What fits is not cut: the same call on the second turn keeps everything.
+    create(coord.url, previous_response_id=first["id"], input="Short.", truncation="auto")
+    whole = [{"role": "user", "content": long[0]},
+             {"type": "message", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": said(first), "annotations": []}]},
+             {"role": "user", "content": "Short."}]
+    assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": whole})
+    alone = httpx.post(f"{coord.url}/v1/responses", timeout=30,
+                       json={**BODY, "input": "lighthouse " * 2100, "truncation": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "input", alone.text
+    assert released(coord, sim)

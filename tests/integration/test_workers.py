@@ -205,3 +205,26 @@ def test_local_backend_splits_the_engine_budget_between_the_workers(
             if all(v > 0 for v in per_worker.values()):
                 break
         assert sorted(per_worker) == ["0", "1"] and all(v > 0 for v in per_worker.values()), per_worker
+
+
+def test_the_workers_share_one_response_store(tmp_path: Path, render_sidecar: Any,
+                                              fast_engine: SimulatedEngine) -> None:
+    """Stored Responses on the pod's SQLite file: a chain whose turns reach either worker (a new
+    connection each) continues whatever worker stored the turn before, and any worker retrieves it."""
+    store = {"store": {"path": str(tmp_path / "responses.sqlite3")}}
+    with pod(tmp_path, str(render_sidecar.url), fast_engine.url, responses=store) as p:
+        body = {"model": SERVED, "max_output_tokens": 4, "temperature": 0}
+        ids: list[str] = []
+        for chain in range(6):
+            previous = None
+            for turn in range(4):
+                extra = {"previous_response_id": previous} if previous else {}
+                r = httpx.post(f"{p.url}/v1/responses", json={**body, **extra, "input": f"Chain {chain}, turn {turn}."},
+                               timeout=60)
+                assert r.status_code == 200, r.text
+                previous = r.json()["id"]
+                ids.append(previous)
+        for rid in ids:
+            assert httpx.get(f"{p.url}/v1/responses/{rid}", timeout=10).status_code == 200
+        per_worker = {dict(k)["worker"]: v for k, v in p.metrics()["coordinator_worker_requests"].items()}
+        assert all(v > 0 for v in per_worker.values()) and len(per_worker) == 2, per_worker

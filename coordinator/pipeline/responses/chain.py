@@ -27,6 +27,7 @@ from coordinator.pipeline.responses.conversations import Conversations
 from coordinator.pipeline.responses.convert import ResponsesForm
 from coordinator.pipeline.responses.store import ResponseStore, StoredResponse, StoreUnavailable
 from coordinator.pipeline.responses.translate import ResponsesTranslator
+from coordinator.pipeline.responses.truncation import Measure, fit
 
 Item = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -199,18 +200,33 @@ class ResponsesIntake:
     A request the sidecar cannot convert raises ``ConversionUnavailable`` for the native chain, whose
     call carries the conversation already read from the store."""
 
-    def __init__(self, translator: ResponsesTranslator, chain: ResponseChain) -> None:
+    def __init__(self, translator: ResponsesTranslator, chain: ResponseChain,
+                 measure: Measure | None = None) -> None:
+        """``measure``: render's token count of a chat form and its context (``truncation: "auto"``;
+        without it the sidecar refuses ``auto``)."""
         self.translator = translator
         self.chain = chain
+        self.measure = measure
 
     async def open(self, body: Any, request_id: str, tenant: str) -> Opened:
         turn = await self.chain.begin(body, tenant)
-        form = await self.translator.form(turn.body, request_id)
+        form = await self._form(turn.body, request_id)
         form.response["previous_response_id"] = turn.previous_id
         form.response["background"] = turn.background
         if turn.conversation is not None:  # OpenAI's field; vLLM's object has none (it has no conversations)
             form.response["conversation"] = {"id": turn.conversation}
         return Opened(turn, form, tenant)
+
+    async def _form(self, body: Any, request_id: str) -> ResponsesForm:
+        """The sidecar's chat form; with ``truncation: "auto"`` the input's oldest turns dropped until
+        it fits (``truncation.py``)."""
+        items = as_items(body.get("input")) if isinstance(body, dict) else None
+        if self.measure is None or items is None or body.get("truncation") != "auto":
+            return await self.translator.form(body, request_id)
+        plain = {k: v for k, v in body.items() if k != "truncation"}
+        form = await fit(plain, items, lambda b: self.translator.form(b, request_id), self.measure)
+        form.response["truncation"] = "auto"
+        return form
 
     async def keep(self, opened: Opened, response: dict[str, Any]) -> None:
         """Store the answer. A store that is down costs the client its stored copy, not the answer it

@@ -21,6 +21,7 @@ RESPONSES_PARAMS = {
     "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
     "response_format": "text", "reasoning_effort": "reasoning", "logprobs": "include",
     "stream_options": "stream",
+    "input_tokens": "input",  # render's "prompt too long" names its count; the client wrote the input
 }
 _LOGPROBS = "message.output_text.logprobs"
 
