@@ -138,9 +138,10 @@ class RenderStage:
     async def measure(self, chat: dict[str, Any]) -> tuple[int, int]:
         """The tokens render makes of a chat body's prompt, and the context it must fit with its output
         (Responses' ``truncation: "auto"`` cuts a conversation to fit by this count)."""
-        entry = self._catalog.resolve(chat.get("model"))
+        entry, _ = self._catalog.resolve_named(chat.get("model"))
         body = {k: v for k, v in chat.items()
                 if k not in ("max_tokens", "max_completion_tokens", "stream", "stream_options")}
+        body["model"] = entry.name  # an alias or an adapter renders as the served model, as in serve()
         out = await self._sidecar.post("/v1/chat/completions/render", body, stage="render")
         first = out[0] if isinstance(out, list) and out else out
         ids = first.get("token_ids") if isinstance(first, dict) else None

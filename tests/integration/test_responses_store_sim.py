@@ -466,8 +466,8 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(render_sidecar: Any, sim:
              "content": [{"type": "output_text", "text": said(second), "annotations": []}]},
             {"role": "user", "content": long[2]}]
     assert sim.state()["last_ids"]["token_ids"] == rendered(render_sidecar.url, {"input": kept})
-    # What fits is not cut: the same call on the second turn keeps everything.
-    create(coord.url, previous_response_id=first["id"], input="Short.", truncation="auto")
+    # What fits is not cut: the same call on the second turn keeps everything (asked by an alias).
+    create(coord.url, previous_response_id=first["id"], input="Short.", truncation="auto", model="gpt-4o-mini")
     whole = [{"role": "user", "content": long[0]},
              {"type": "message", "role": "assistant", "status": "completed",
               "content": [{"type": "output_text", "text": said(first), "annotations": []}]},
@@ -476,4 +476,8 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(render_sidecar: Any, sim:
     alone = httpx.post(f"{coord.url}/v1/responses", timeout=30,
                        json={**BODY, "input": "lighthouse " * 2100, "truncation": "auto"})
     assert alone.status_code == 400 and alone.json()["error"]["param"] == "input", alone.text
+    for bad, param in (({"model": "no-such-model"}, "model"), ({"temperature": 9}, "temperature")):
+        r = httpx.post(f"{coord.url}/v1/responses", timeout=30,
+                       json={**BODY, "input": "Hi", "truncation": "auto", **bad})
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text  # not "input"
     assert released(coord, sim)

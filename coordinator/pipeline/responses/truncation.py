@@ -46,8 +46,10 @@ async def fit(body: dict[str, Any], items: list[Item], convert: Convert, measure
         form = await convert({**body, "input": items[start:]})
         try:
             tokens, context = await measure(form.chat)
-        except UpstreamClientError:   # render refused it: too long for vLLM's own check
-            return None, None
+        except UpstreamClientError as exc:
+            if exc.param == "input_tokens" or "context length" in exc.message:
+                return None, None     # render refused it as too long (vLLM's own check)
+            raise                     # anything else is the request's own fault: as it is
         return (form if tokens + room_needed <= context else None), form
 
     starts = cuts(items)
