@@ -17,7 +17,7 @@ import pytest
 
 from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
-from coordinator.pipeline.scheduling.prefix.kv_events import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
 from tests.conftest import SERVED, VllmStack
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat, takewhile
-from operator import eq, is_
+from operator import eq, is_, is_not
 
 from coordinator.contracts.hashing import BlockHash
 
@@ -180,7 +180,9 @@ class PrefixIndex:
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
         if blocks:
-            self._disown_all([h for h in hashes if blocks.pop(h, None) is not None], engine)
+            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
+            popped = map(blocks.pop, hashes, repeat(None))  # C-level: the KV-event intake's removals
+            self._disown_all(list(compress(hashes, map(is_not, popped, repeat(None)))), engine)
 
     def clear(self, engine: str) -> None:
         """The engine lost everything (restart, ``AllBlocksCleared``) or left the pool."""

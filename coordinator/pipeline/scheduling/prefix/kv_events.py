@@ -18,18 +18,15 @@ event types are skipped, so newer engines keep working.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
-from urllib.parse import urlsplit
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from coordinator.contracts.hashing import BlockHash, block_hashes, chain_seed, media_digest
 from coordinator.contracts.kv_events import (
@@ -110,7 +107,9 @@ class MirrorStats:
     engine_block_size: int | None = None  # the block size of the last BlockStored (128 on vLLM CPU)
 
 
-_Key = tuple[int, ExternalBlockHash]  # (KV cache group, engine block hash)
+_Entry = tuple[tuple[BlockHash, ...], int]
+"""One engine block in our hash space: our hashes of it, and our blocks from the prompt's start through
+it (the depth a run continuing it starts at, which the chain's hash needs)."""
 
 
 class KvEventMirror:
@@ -119,8 +118,13 @@ class KvEventMirror:
     A ``BlockStored`` run is placed after its parent's last hash of ours (or at the chain seed of
     ``model``/``lora_name`` + the cache salt for a root run) and re-hashed at our ``block_size``: an
     engine block of 128 tokens becomes 8 of our 16-token blocks, all recorded for its removal.
-    Our hashes are reference-counted because two engine blocks can map to the same one of ours (KV
-    cache groups of a hybrid model share hashes; a LoRA run under the base model's name).
+
+    The per-block work is C-level passes over whole runs (``dict.update``/``map``/``zip``), no Python
+    bytecode per block: at 256 engines the intake is tens of thousands of blocks a second
+    (docs/scheduling.md, "The pod's KV index"). Two engine blocks can map to one hash of ours (KV
+    cache groups of a hybrid model share hashes; a LoRA run under the base model's name), so a hash
+    leaves the index only with its last engine block: ``_held`` has every hash some engine block
+    maps to, ``_extra`` the rare ones more than one does (how many more).
     """
 
     def __init__(self, index: PrefixIndex, engine: str, model: str, block_size: int, *,
@@ -131,14 +135,13 @@ class KvEventMirror:
         self.block_size = block_size
         self.media = frozenset(media)
         self.stats = MirrorStats()
-        # engine block → (our hashes of it, our blocks from the prompt's start through it: the depth a
-        # run continuing it starts at, which the chain's hash needs)
-        self._ours: dict[_Key, tuple[list[BlockHash], int]] = {}
-        self._refs: dict[BlockHash, int] = {}
+        self._ours: dict[int, dict[ExternalBlockHash, _Entry]] = {}  # KV cache group → engine block → ours
+        self._held: set[BlockHash] = set()
+        self._extra: dict[BlockHash, int] = {}
 
     @property
     def engine_blocks(self) -> int:
-        return len(self._ours)
+        return sum(map(len, self._ours.values()))
 
     def apply_payload(self, payload: bytes) -> bool:
         """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage."""
@@ -168,7 +171,8 @@ class KvEventMirror:
     def reset(self) -> None:
         """The engine's cache is gone (``AllBlocksCleared``, restart) or we stop listening."""
         self._ours.clear()
-        self._refs.clear()
+        self._held.clear()
+        self._extra.clear()
         self.index.clear(self.engine)
 
     def _stored(self, ev: BlockStored) -> None:
@@ -181,8 +185,11 @@ class KvEventMirror:
                        "set scheduling.prefix.block_size to a divisor of it", self.engine, ev.block_size,
                        self.block_size)
             return
+        known = self._ours.get(group)
+        if known is None:
+            known = self._ours[group] = {}
         if ev.parent_block_hash is not None:
-            parent = self._ours.get((group, ev.parent_block_hash))
+            parent = known.get(ev.parent_block_hash)
             if parent is None or not parent[0]:
                 # Missed event, or a partial-tail entry whose parent sits inside an engine block.
                 self.stats.unknown_parent += 1
@@ -202,40 +209,52 @@ class KvEventMirror:
             return
         ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed, start, media)
         per = ev.block_size // self.block_size
-        for i, eh in enumerate(ev.block_hashes[:n]):
-            key = (group, eh)
-            old = self._ours.get(key)
-            if old is not None:  # re-reported (cache hit in "full" report mode): nothing new
-                self._release(old[0])
-            new = ours[i * per:(i + 1) * per]
-            self._ours[key] = (new, start + (i + 1) * per)
-            for h in new:
-                self._refs[h] = self._refs.get(h, 0) + 1
+        engine_hashes = ev.block_hashes[:n] if len(ev.block_hashes) > n else ev.block_hashes
+        again = known.keys() & engine_hashes
+        if again:  # re-reported (a cache hit in "full" report mode): its old mapping goes first
+            self._release(list(chain.from_iterable(known.pop(eh)[0] for eh in again)))
+        # Our hashes cut into the engine's blocks, each with the depth after it: C-level zips.
+        cut = zip(*[iter(ours)] * per, strict=True)
+        depths = range(start + per, start + (n + 1) * per, per)
+        known.update(zip(engine_hashes, zip(cut, depths, strict=True), strict=True))
+        held = self._held
+        if not held.isdisjoint(ours):
+            extra = self._extra
+            for h in held.intersection(ours):
+                extra[h] = extra.get(h, 0) + 1
+        held.update(ours)
         self.stats.blocks_stored += n
-        # All of them, not only new refs: refreshes entries someone else (a registry clear) dropped.
+        # All of them, not only new ones: refreshes entries someone else (a registry clear) dropped.
         self.index.add(self.engine, ours, parent=seed if ev.parent_block_hash is not None else None)
 
     def _removed(self, ev: BlockRemoved) -> None:
-        group = ev.group_idx or 0
-        gone: list[BlockHash] = []
-        for eh in ev.block_hashes:
-            entry = self._ours.pop((group, eh), None)
-            if entry is not None:
-                self.stats.blocks_removed += 1
-                gone += self._release(entry[0])
-        if gone:
-            self.index.remove(self.engine, gone)
+        known = self._ours.get(ev.group_idx or 0)
+        if not known:
+            return
+        entries = [e for e in map(known.pop, ev.block_hashes, repeat(None)) if e is not None]
+        if entries:
+            self.stats.blocks_removed += len(entries)
+            gone = self._release(list(chain.from_iterable(map(itemgetter(0), entries))))
+            if gone:
+                self.index.remove(self.engine, gone)
 
     def _release(self, ours: list[BlockHash]) -> list[BlockHash]:
-        """Drop one reference per hash; returns the hashes no engine block maps to any more."""
-        free: list[BlockHash] = []
-        for h in ours:
-            left = self._refs.get(h, 0) - 1
+        """Drop one engine block's mapping per hash; returns the hashes no engine block maps to any
+        more (all of them, unless a hash is mapped more than once: ``_extra`` is almost always empty)."""
+        extra = self._extra
+        if not extra or extra.keys().isdisjoint(ours):
+            self._held.difference_update(ours)
+            return ours
+        shared = Counter(h for h in ours if h in extra)
+        kept = set()
+        for h, dropped in shared.items():
+            left = extra.pop(h) + 1 - dropped   # engine blocks still mapping to it
+            if left > 1:
+                extra[h] = left - 1
             if left > 0:
-                self._refs[h] = left
-            else:
-                self._refs.pop(h, None)
-                free.append(h)
+                kept.add(h)
+        free = [h for h in dict.fromkeys(ours) if h not in kept]
+        self._held.difference_update(free)
         return free
 
 
@@ -274,223 +293,3 @@ def _media(keys: Sequence[Sequence[Any] | None], block_size: int) -> list[tuple[
             if mk is not None and mk[1] >= 0:
                 out.append((i * block_size + mk[1], media_digest(mk[0])))
     return out
-
-
-# --- ZMQ subscriber ------------------------------------------------------------------------------
-
-class KvEventSubscriber:
-    """SUB socket on one engine's publisher, applying every batch to ``mirror``.
-
-    vLLM's ``tcp://*:PORT`` endpoint binds, so we connect (ZMQ reconnects by itself if the engine
-    restarts). Sequence numbers are checked: a gap means lost batches, which are fetched from the
-    engine's ``replay_endpoint`` (vLLM's ROUTER socket: send the first missing sequence number, get
-    the buffered batches and an end marker) when one is configured; otherwise, or if the replay comes
-    back short, the gap is logged and counted and the index may hold stale blocks or miss some until
-    they are evicted or re-stored. A sequence that goes backwards means the publisher restarted, so
-    the engine's cache is empty and we reset the mirror.
-    """
-
-    END_SEQ = (-1).to_bytes(8, "big", signed=True)
-    REPLAY_TIMEOUT_S = 2.0
-    BATCH_S = 0.002  # the most one engine's batches hold the gate (and the event loop) at a time
-
-    def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
-                 context: zmq.asyncio.Context | None = None, replay_endpoint: str | None = None,
-                 gate: asyncio.Lock | None = None) -> None:
-        """``gate``: shared by every engine's subscriber (``PreciseIndexSource``), so that only one
-        applies events at a time."""
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.replayed = 0
-        self.mirror = mirror
-        self.topic = topic
-        self.last_seq: int | None = None
-        self.gaps = 0
-        self.missed = 0
-        self.restarts = 0
-        self.bad_frames = 0
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._gate = gate if gate is not None else asyncio.Lock()
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> None:
-        """Connect and start receiving; needs a running event loop."""
-        if self._task is not None:
-            return
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sock.connect(self.endpoint)
-        self._sock = sock
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(sock), name=f"kv-events {self.mirror.engine}")
-
-    async def stop(self) -> None:
-        """Stop receiving and forget this engine's blocks (nothing keeps them current any more)."""
-        await self.stop_quietly()
-        self.mirror.reset()
-
-    async def stop_quietly(self) -> None:
-        """Disconnect but keep the mirror and the sequence position (a later ``start`` resumes, and
-        replays what it missed)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
-    async def _run(self, sock: zmq.asyncio.Socket) -> None:
-        """Receive, then apply under the shared gate: one engine's batches at a time, as many as are
-        waiting for up to ``BATCH_S``. With hundreds of engines publishing, a decision then waits for
-        at most one such batch, not for every engine's message of this loop turn."""
-        held: list[bytes] | None = None
-        while True:
-            frames = held if held is not None else await sock.recv_multipart()
-            held = None
-            await self._replay_before(frames)
-            async with self._gate:
-                deadline = time.perf_counter() + self.BATCH_S
-                self._apply(frames)
-                while time.perf_counter() < deadline and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                    frames = await sock.recv_multipart()  # ready: completes without waiting
-                    if self._gap_to_replay(frames):
-                        held = frames  # replayed outside the gate first
-                        break
-                    self._apply(frames)
-
-    def _gap_to_replay(self, frames: Sequence[bytes]) -> bool:
-        last = self.last_seq
-        return (self.replay_endpoint is not None and last is not None and len(frames) == 3
-                and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") > last + 1)
-
-    async def _replay_before(self, frames: Sequence[bytes]) -> None:
-        if self._gap_to_replay(frames):
-            assert self.last_seq is not None
-            try:
-                await self.replay(self.last_seq + 1, int.from_bytes(frames[1], "big"))
-            except Exception:  # a failed replay leaves the gap for ``handle`` to count
-                log.exception("KV events from %s: replay failed", self.mirror.engine)
-
-    def _apply(self, frames: Sequence[bytes]) -> None:
-        try:
-            self.handle(frames)
-        except Exception:  # one bad batch must not end the subscription
-            log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
-
-    async def replay(self, first: int, stop: int) -> int:
-        """Fetch batches ``first`` … ``stop - 1`` from the engine's replay socket and apply them in
-        order; returns how many were applied (a short replay leaves a gap for ``handle`` to count)."""
-        assert self.replay_endpoint is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.replay_endpoint)
-        applied = 0
-        try:
-            await sock.send_multipart([b"", first.to_bytes(8, "big")])
-            while True:
-                async with asyncio.timeout(self.REPLAY_TIMEOUT_S):
-                    frames = await sock.recv_multipart()
-                body = frames[1:] if frames and frames[0] == b"" else frames
-                if len(body) != 3 or body[1] == self.END_SEQ:
-                    break
-                seq = int.from_bytes(body[1], "big")
-                if self.last_seq is not None and seq == self.last_seq + 1 and seq < stop:
-                    self.handle(body)
-                    applied += 1
-        except TimeoutError:
-            log.warning("KV events from %s: replay from %s timed out", self.mirror.engine,
-                        self.replay_endpoint)
-        finally:
-            sock.close(linger=0)
-        self.replayed += applied
-        return applied
-
-    def handle(self, frames: Sequence[bytes]) -> None:
-        """One multipart message ``[topic, seq, payload]``."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.bad_frames += 1
-            log.warning("KV events from %s: ignoring a message of %d frames", self.mirror.engine, len(frames))
-            return
-        seq = int.from_bytes(frames[1], "big")
-        last = self.last_seq
-        if last is not None and seq != last + 1:
-            if seq <= last:
-                self.restarts += 1
-                log.warning("KV events from %s: sequence went back %d → %d; publisher restarted, "
-                            "resetting its blocks", self.mirror.engine, last, seq)
-                self.mirror.reset()
-            else:
-                self.gaps += 1
-                self.missed += seq - last - 1
-                log.warning("KV events from %s: missed %d batches (%d → %d); the prefix index may be "
-                            "stale for this engine", self.mirror.engine, seq - last - 1, last, seq)
-        self.last_seq = seq
-        self.mirror.apply_payload(frames[2])
-
-
-# --- one subscriber per engine -------------------------------------------------------------------
-
-class PreciseIndexSource:
-    """Keeps one ``KvEventSubscriber`` per engine that publishes KV events (``EngineSettings.kv_events``).
-
-    The index key is the engine URL, as for the approximate source. ``model_of`` names an engine's
-    model when ``attach`` is not told (it seeds the hash chain, so it must be the name requests use).
-    """
-
-    def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
-                 topic: str = "", context: zmq.asyncio.Context | None = None) -> None:
-        self.index = index
-        self.model_of = model_of
-        self.block_size = block_size
-        self.topic = topic
-        self._ctx = context
-        self.subscribers: dict[str, KvEventSubscriber] = {}
-        self.gate = asyncio.Lock()  # one intake at a time over all engines (see KvEventSubscriber._run)
-
-    async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
-                     replay: str | None = None) -> KvEventSubscriber:
-        """Idempotent for the same endpoints and model; a changed one replaces the subscriber."""
-        endpoint = connect_endpoint(endpoint, engine_url)
-        replay = connect_endpoint(replay, engine_url) if replay else None
-        model = model or self.model_of(engine_url)
-        sub = self.subscribers.get(engine_url)
-        if sub is not None:
-            if sub.endpoint == endpoint and sub.mirror.model == model and sub.replay_endpoint == replay:
-                return sub
-            await self.detach(engine_url)
-        mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
-        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
-                                gate=self.gate)
-        sub.start()
-        self.subscribers[engine_url] = sub
-        log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)
-        return sub
-
-    async def detach(self, engine_url: str) -> None:
-        sub = self.subscribers.pop(engine_url, None)
-        if sub is not None:
-            await sub.stop()
-
-    async def stop_all(self) -> None:
-        for url in list(self.subscribers):
-            await self.detach(url)
-
-
-def connect_endpoint(endpoint: str, engine_url: str) -> str:
-    """``tcp://*:5557`` / ``tcp://0.0.0.0:5557`` (the engine's own bind address, often copied into our
-    config) cannot be connected to: use the engine URL's host instead."""
-    parts = urlsplit(endpoint)
-    if parts.scheme == "tcp" and parts.hostname in ("*", "0.0.0.0", "::") and parts.port is not None:
-        host = urlsplit(engine_url).hostname or "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"tcp://{host}:{parts.port}"
-    return endpoint

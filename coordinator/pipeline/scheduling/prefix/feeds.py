@@ -1,0 +1,272 @@
+"""The engines' KV-event feeds: one ZMQ SUB socket per engine that publishes (``KvEventSubscriber``),
+each applying its batches to the engine's ``KvEventMirror`` (``kv_events``), and the set of them kept
+in step with the fleet (``PreciseIndexSource``). Runs in a coordinator process (``scheduling.prefix.
+indexer: local``) or in the pod's indexer process (docs/scheduling.md, "The pod's KV index").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+
+log = logging.getLogger(__name__)
+
+
+# --- ZMQ subscriber ------------------------------------------------------------------------------
+
+class KvEventSubscriber:
+    """SUB socket on one engine's publisher, applying every batch to ``mirror``.
+
+    vLLM's ``tcp://*:PORT`` endpoint binds, so we connect (ZMQ reconnects by itself if the engine
+    restarts). Sequence numbers are checked: a gap means lost batches, which are fetched from the
+    engine's ``replay_endpoint`` (vLLM's ROUTER socket: send the first missing sequence number, get
+    the buffered batches and an end marker) when one is configured; otherwise, or if the replay comes
+    back short, the gap is logged and counted and the index may hold stale blocks or miss some until
+    they are evicted or re-stored. A sequence that goes backwards means the publisher restarted, so
+    the engine's cache is empty and we reset the mirror.
+
+    The socket is a plain (blocking-API) one watched with the loop's ``add_reader`` and drained with
+    non-blocking receives: a batch costs no future, task switch or coroutine, which at 256 engines
+    was two thirds of the intake's CPU (docs/scheduling.md, "The pod's KV index").
+    """
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+    REPLAY_TIMEOUT_S = 2.0
+    BATCH_S = 0.002  # the most one engine's batches hold the event loop at a time
+
+    def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
+                 context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.replayed = 0
+        self.mirror = mirror
+        self.topic = topic
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.missed = 0
+        self.restarts = 0
+        self.bad_frames = 0
+        ctx = context if context is not None else zmq.asyncio.Context.instance()
+        self._ctx = zmq.asyncio.Context.shadow(ctx.underlying)      # replay's DEALER: awaited
+        self._sync_ctx: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # the SUB: drained in callbacks
+        self._sock: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._held: list[bytes] | None = None   # a batch after a gap, applied once the replay is done
+        self._replaying: asyncio.Task[None] | None = None
+        self._again: asyncio.Handle | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._sock is not None
+
+    def start(self) -> None:
+        """Connect and start receiving; needs a running event loop."""
+        if self._sock is not None:
+            return
+        sock = self._sync_ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+        self._loop.add_reader(self._fd, self._drain)
+        self._again = self._loop.call_soon(self._drain)  # anything queued before the reader was added
+
+    async def stop(self) -> None:
+        """Stop receiving and forget this engine's blocks (nothing keeps them current any more)."""
+        await self.stop_quietly()
+        self.mirror.reset()
+
+    async def stop_quietly(self) -> None:
+        """Disconnect but keep the mirror and the sequence position (a later ``start`` resumes, and
+        replays what it missed)."""
+        sock, self._sock = self._sock, None
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None
+        task, self._replaying = self._replaying, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._held = None
+        if sock is not None:
+            if self._loop is not None and self._fd is not None:
+                self._loop.remove_reader(self._fd)
+            sock.close(linger=0)
+
+    def _drain(self) -> None:
+        """Apply what is waiting, for up to ``BATCH_S``. ZMQ's descriptor is edge-triggered: it signals
+        only once the queue was emptied, so a drain cut short by the time cap (or by a gap to replay)
+        schedules its own continuation."""
+        self._again = None
+        sock = self._sock
+        if sock is None or self._replaying is not None:
+            return
+        deadline = time.perf_counter() + self.BATCH_S
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self._gap_to_replay(frames):
+                self._held = frames
+                assert self._loop is not None
+                self._replaying = self._loop.create_task(self._replay_then_go_on(),
+                                                         name=f"kv-events replay {self.mirror.engine}")
+                return
+            self._apply(frames)
+            if time.perf_counter() >= deadline:
+                assert self._loop is not None
+                self._again = self._loop.call_soon(self._drain)
+                return
+
+    async def _replay_then_go_on(self) -> None:
+        frames = self._held
+        assert frames is not None
+        await self._replay_before(frames)
+        self._held = None
+        self._apply(frames)
+        self._replaying = None
+        if self._sock is not None and self._loop is not None:
+            self._again = self._loop.call_soon(self._drain)
+
+    def _gap_to_replay(self, frames: Sequence[bytes]) -> bool:
+        last = self.last_seq
+        return (self.replay_endpoint is not None and last is not None and len(frames) == 3
+                and len(frames[1]) == 8 and int.from_bytes(frames[1], "big") > last + 1)
+
+    async def _replay_before(self, frames: Sequence[bytes]) -> None:
+        if self._gap_to_replay(frames):
+            assert self.last_seq is not None
+            try:
+                await self.replay(self.last_seq + 1, int.from_bytes(frames[1], "big"))
+            except Exception:  # a failed replay leaves the gap for ``handle`` to count
+                log.exception("KV events from %s: replay failed", self.mirror.engine)
+
+    def _apply(self, frames: Sequence[bytes]) -> None:
+        try:
+            self.handle(frames)
+        except Exception:  # one bad batch must not end the subscription
+            log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
+
+    async def replay(self, first: int, stop: int) -> int:
+        """Fetch batches ``first`` … ``stop - 1`` from the engine's replay socket and apply them in
+        order; returns how many were applied (a short replay leaves a gap for ``handle`` to count)."""
+        assert self.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        applied = 0
+        try:
+            await sock.send_multipart([b"", first.to_bytes(8, "big")])
+            while True:
+                async with asyncio.timeout(self.REPLAY_TIMEOUT_S):
+                    frames = await sock.recv_multipart()
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) != 3 or body[1] == self.END_SEQ:
+                    break
+                seq = int.from_bytes(body[1], "big")
+                if self.last_seq is not None and seq == self.last_seq + 1 and seq < stop:
+                    self.handle(body)
+                    applied += 1
+        except TimeoutError:
+            log.warning("KV events from %s: replay from %s timed out", self.mirror.engine,
+                        self.replay_endpoint)
+        finally:
+            sock.close(linger=0)
+        self.replayed += applied
+        return applied
+
+    def handle(self, frames: Sequence[bytes]) -> None:
+        """One multipart message ``[topic, seq, payload]``."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.bad_frames += 1
+            log.warning("KV events from %s: ignoring a message of %d frames", self.mirror.engine, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        last = self.last_seq
+        if last is not None and seq != last + 1:
+            if seq <= last:
+                self.restarts += 1
+                log.warning("KV events from %s: sequence went back %d → %d; publisher restarted, "
+                            "resetting its blocks", self.mirror.engine, last, seq)
+                self.mirror.reset()
+            else:
+                self.gaps += 1
+                self.missed += seq - last - 1
+                log.warning("KV events from %s: missed %d batches (%d → %d); the prefix index may be "
+                            "stale for this engine", self.mirror.engine, seq - last - 1, last, seq)
+        self.last_seq = seq
+        self.mirror.apply_payload(frames[2])
+
+
+# --- one subscriber per engine -------------------------------------------------------------------
+
+class PreciseIndexSource:
+    """Keeps one ``KvEventSubscriber`` per engine that publishes KV events (``EngineSettings.kv_events``).
+
+    The index key is the engine URL, as for the approximate source. ``model_of`` names an engine's
+    model when ``attach`` is not told (it seeds the hash chain, so it must be the name requests use).
+    """
+
+    def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
+                 topic: str = "", context: zmq.Context[Any] | None = None) -> None:
+        self.index = index
+        self.model_of = model_of
+        self.block_size = block_size
+        self.topic = topic
+        self._ctx = context
+        self.subscribers: dict[str, KvEventSubscriber] = {}
+
+    async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
+                     replay: str | None = None) -> KvEventSubscriber:
+        """Idempotent for the same endpoints and model; a changed one replaces the subscriber."""
+        endpoint = connect_endpoint(endpoint, engine_url)
+        replay = connect_endpoint(replay, engine_url) if replay else None
+        model = model or self.model_of(engine_url)
+        sub = self.subscribers.get(engine_url)
+        if sub is not None:
+            if sub.endpoint == endpoint and sub.mirror.model == model and sub.replay_endpoint == replay:
+                return sub
+            await self.detach(engine_url)
+        mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
+        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay)
+        sub.start()
+        self.subscribers[engine_url] = sub
+        log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)
+        return sub
+
+    async def detach(self, engine_url: str) -> None:
+        sub = self.subscribers.pop(engine_url, None)
+        if sub is not None:
+            await sub.stop()
+
+    async def stop_all(self) -> None:
+        for url in list(self.subscribers):
+            await self.detach(url)
+
+
+def connect_endpoint(endpoint: str, engine_url: str) -> str:
+    """``tcp://*:5557`` / ``tcp://0.0.0.0:5557`` (the engine's own bind address, often copied into our
+    config) cannot be connected to: use the engine URL's host instead."""
+    parts = urlsplit(endpoint)
+    if parts.scheme == "tcp" and parts.hostname in ("*", "0.0.0.0", "::") and parts.port is not None:
+        host = urlsplit(engine_url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"tcp://{host}:{parts.port}"
+    return endpoint
