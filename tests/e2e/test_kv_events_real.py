@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from coordinator.contracts.hashing import block_hashes, chain_seed
-from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from tests.conftest import SERVED, VllmStack
 
 pytestmark = pytest.mark.e2e

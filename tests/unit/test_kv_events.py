@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 
 from coordinator.contracts.hashing import block_hashes, chain_seed, media_digest
-from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
