@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     host = args.host or settings.server.host
     port = settings.server.port if args.port is None else args.port  # 0: any free port
     configure_logging(settings)
-    if settings.server.workers > 1:
+    if settings.server.workers > 1 or settings.indexer_mode() == "pod":   # pod: the indexer's process too
         raise SystemExit(Supervisor(settings, host, port).run())
     app = build_app(settings)
     # uvicorn's own graceful timeout is the backstop after the drain (which has its own deadline).

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -54,6 +55,7 @@ from coordinator.pipeline.responses.translate import ResponsesTranslator
 from coordinator.pipeline.responses.truncation import Measure
 from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import HEALTH_TIMEOUT_S, SidecarClient
@@ -82,6 +84,7 @@ class Components:
     precise: PreciseIndexSource | None
     pipeline: Pipeline
     metrics: Metrics
+    indexer: RemoteIndex | None = None   # the pod's KV indexer, when it holds the prefix index
     native: NativeRoute | None = None  # engines' OpenAI API: render fallback, missing token route
     derenderer: Derenderer | None = None
     trigger: TriggerBoard | None = None  # trigger P/D engines: the callbacks their metaserver serves
@@ -112,6 +115,13 @@ class Components:
             for e in self.registry.engines:
                 if e.kv_events:
                     await self.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
+        if self.indexer is not None:
+            if self.settings.scheduling.prefix.source == "precise":
+                for e in self.registry.engines:
+                    if e.kv_events:
+                        self.indexer.attach(e.url, e.kv_events, _engine_model(self.settings, self.registry,
+                                                                               e.url), e.kv_events_replay)
+            self.indexer.start()
         await self.registry.start()
         if self.derenderer is not None:
             # Sidecars that answer now must agree on their parsers (SidecarsDisagree stops the start);
@@ -142,6 +152,8 @@ class Components:
             await self.limiter.aclose()
         if self.precise is not None:
             await self.precise.stop_all()
+        if self.indexer is not None:
+            await self.indexer.aclose()
         await self.admission.close()
         await self.ledger.fleet.aclose()
         await self.registry.stop()
@@ -209,7 +221,18 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     prefix = settings.scheduling.prefix
     profile = build_profile(settings.scheduling, ledger.engine_room, settings.lora.replicate_inflight)
     precise: PreciseIndexSource | None = None
-    if prefix.source == "approximate":
+    remote: RemoteIndex | None = None
+    where = settings.indexer_mode()
+    if where == "pod":   # no supervisor started one for this process (embedded, tests): it is alone
+        log.info("scheduling.prefix.indexer: pod, but this process runs alone: its index is its own")
+        where = "local"
+    if where == "service":
+        # The pod's indexer (or a shared one) holds the index, the pending layer and the KV-event feeds.
+        remote = RemoteIndex(prefix.indexer.address or "", timeout_s=prefix.indexer.timeout_s,
+                             on_change=metrics.indexer_up.set)
+        scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
+                              metrics=metrics, learn=False, index=None, defer=soon, remote=remote)
+    elif prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=True, defer=soon,
                               index=PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s))
@@ -241,6 +264,14 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
             scheduler.forget(engine.url)
             if precise is not None:
                 background(precise.detach(engine.url))
+            if remote is not None:
+                remote.detach(engine.url)
+        elif remote is not None and prefix.source == "precise":
+            if engine.kv_events:
+                remote.attach(engine.url, engine.kv_events, _engine_model(settings, registry, engine.url),
+                              engine.kv_events_replay)
+            else:
+                remote.detach(engine.url)
         elif precise is not None:
             if engine.kv_events:
                 background(precise.attach(engine.url, engine.kv_events, replay=engine.kv_events_replay))
@@ -282,7 +313,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     metrics.inflight.set_function(lambda: pipeline.inflight)
     metrics.stream_buffered_tokens.set_function(lambda: pipeline.derender.buffered_tokens)
     return Components(settings, sidecar, engines, registry, ledger, admission, scheduler, precise,
-                      pipeline, metrics, native=native, derenderer=derenderer, trigger=board,
+                      pipeline, metrics, indexer=remote, native=native, derenderer=derenderer, trigger=board,
                       metaserver=Metaserver(settings.topology.trigger, board) if board is not None else None,
                       tenants=tenants, limiter=limiter, lora=loader,
                       responses=ResponseChain(open_store(settings.responses.store, metrics.store_call)),
@@ -357,7 +388,8 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
                     "inflight": c.pipeline.inflight, "queued": c.admission.queue_length,
                     # shared / degraded (Redis unreachable: admitting with a share) / local
                     "fleet": ("degraded" if c.ledger.fleet.degraded else "shared")
-                    if fleet == "redis" else "local"}
+                    if fleet == "redis" else "local",
+                    "prefix_index": await _index_state(c)}
 
     def metrics_here() -> bytes:
         """This process's collectors in the exposition format."""
@@ -391,6 +423,21 @@ def build_app(settings: Settings, metrics_registry: CollectorRegistry | None = N
             return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _index_state(c: Components) -> str | dict[str, Any]:
+    """``/ready``'s word on the prefix index: where it lives, and for the pod's indexer whether this
+    process reaches it (down: routing on load and its own recent decisions) and what it holds."""
+    if c.indexer is None:
+        return "none" if c.scheduler.index is None else "local"
+    stats = await c.indexer.status() if c.indexer.up else None
+    state: dict[str, Any] = {"indexer": "up" if stats is not None else "down", "address": c.indexer.address}
+    if stats is not None:
+        state.update(msgspec.structs.asdict(stats))
+        state.pop("id", None)
+    else:
+        state["error"] = c.indexer.last_error or "no answer in time"
+    return state
 
 
 def build_fleet(settings: FleetSettings, metrics: Metrics, workers: int = 1) -> Fleet:

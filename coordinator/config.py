@@ -441,6 +441,35 @@ class AdmissionSettings(_Section):
     fleet: FleetSettings = Field(default_factory=FleetSettings)
 
 
+class IndexerSettings(_Section):
+    """Where the prefix index lives (docs/scheduling.md, "The pod's KV index")."""
+
+    mode: Literal["auto", "local", "pod", "service"] = Field(
+        default="auto", description="local: in each coordinator process (each worker keeps its own index "
+        "and, with the precise source, its own KV-event feeds); pod: one indexer process beside the "
+        "workers, started and restarted by the coordinator, holds the index and the feeds for all of them; "
+        "service: a shared indexer at `address` (`python -m coordinator.indexer`), for coordinator "
+        "replicas; auto: pod when server.workers > 1, else local",
+    )
+    address: str | None = Field(
+        default=None, description="service: the indexer's `tcp://host:port`",
+    )
+    listen: str = Field(
+        default="tcp://0.0.0.0:5590", description="`python -m coordinator.indexer`: where the service "
+        "listens (`tcp://host:port` or `unix:/path`)",
+    )
+    timeout_s: float = Field(
+        default=0.05, gt=0, description="how long a routing decision waits for the indexer's answer "
+        "before it routes on load alone (counted in coordinator_prefix_indexer_unanswered_total)",
+    )
+
+    @model_validator(mode="after")
+    def _address_for_service(self) -> IndexerSettings:
+        if self.mode == "service" and not self.address:
+            raise ValueError("scheduling.prefix.indexer.mode service needs scheduling.prefix.indexer.address")
+        return self
+
+
 class PrefixIndexSettings(_Section):
     """Which prompt prefixes each engine holds, for KV-affinity."""
 
@@ -465,6 +494,7 @@ class PrefixIndexSettings(_Section):
         default=True, description="blocks of a prompt with images are hashed with the images' hashes, as "
         "vLLM keys them (docs/multimodal.md); false: by their token ids only, like a media-blind router "
         "(the baseline of perf.multimodal), which takes every image for every other")
+    indexer: IndexerSettings = Field(default_factory=IndexerSettings)
 
 
 class BoundedLoadSettings(_Section):
@@ -924,6 +954,15 @@ class Settings(BaseSettings):
                 return (f"model {model.name!r} mixes handoff and trigger P/D engines, which cannot pair "
                         f"up: {listed}; give them all one engines[].pd_protocol")
         return None
+
+    def indexer_mode(self) -> Literal["none", "local", "pod", "service"]:
+        """Where this coordinator's prefix index lives (``auto`` resolved; none without an index)."""
+        prefix = self.scheduling.prefix
+        if prefix.source == "none":
+            return "none"
+        if prefix.indexer.mode == "auto":
+            return "pod" if self.server.workers > 1 else "local"
+        return prefix.indexer.mode
 
     def uses_trigger(self) -> bool:
         """Whether any engine is a trigger P/D engine (the metaserver is started for them)."""

@@ -117,6 +117,12 @@ class Metrics:
         self.prefix_hashes = Counter("coordinator_prefix_hashes", "Prompts hashed for the prefix index, by "
                                      "who hashed them: render (the sidecar, with the ids) or coordinator",
                                      ["source"], registry=r)
+        self.indexer_up = Gauge("coordinator_prefix_indexer_up", "1 while this process's line to the pod's "
+                                "KV indexer (scheduling.prefix.indexer) is up; 0: routing on load and its "
+                                "own recent decisions only", registry=r)
+        self.indexer_unanswered = Counter("coordinator_prefix_indexer_unanswered", "Routing decisions made "
+                                          "without the KV indexer's match (it was down or answered later "
+                                          "than scheduling.prefix.indexer.timeout_s)", registry=r)
         self.index_blocks = Gauge("coordinator_prefix_index_blocks", "Blocks the prefix index (or its "
                                   "pending layer) holds per engine", ["index", "engine"], registry=r)
         self.index_capacity = Gauge("coordinator_prefix_index_capacity_blocks", "The most blocks the index "

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
+import time
 from types import FrameType
 from typing import Any
 
@@ -18,6 +21,7 @@ from coordinator.config import Settings
 from coordinator.observability.events import JsonFormatter
 
 log = logging.getLogger(__name__)
+_PARENT_POLL_S = 0.5
 _GRACE_S = 5.0  # after the deadline: how long the cut requests get to write their last bytes
 
 
@@ -28,10 +32,10 @@ def uvicorn_config(app: FastAPI, settings: Settings, *, host: str, port: int,
                           http=header_timeout_protocol(settings.limits.header_timeout_s), **options)
 
 
-def configure_logging(settings: Settings, worker: int | None = None) -> None:
-    """Log level and format from ``server``; a worker process (``server.workers``) names itself in
-    text lines, so a pod's interleaved log still tells the workers apart."""
-    who = "" if worker is None else f"worker-{worker} "
+def configure_logging(settings: Settings, worker: int | None = None, role: str | None = None) -> None:
+    """Log level and format from ``server``; a worker process (``server.workers``) or the pod's
+    indexer (``role``) names itself in text lines, so a pod's interleaved log still tells them apart."""
+    who = f"{role} " if role else "" if worker is None else f"worker-{worker} "
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
     if settings.server.log_format == "json":
@@ -107,3 +111,12 @@ def draining_server(app: FastAPI, config: uvicorn.Config) -> DrainingServer:
     """The server for an app built by ``build_app`` (which installed its drain state)."""
     drain: Drain = app.state.drain
     return DrainingServer(config, drain)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """A pod process (worker, indexer) whose supervisor is gone (SIGKILLed) drains and exits instead of
+    living on alone: run in a daemon thread."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    log.warning("the supervisor (pid %d) is gone: stopping", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)

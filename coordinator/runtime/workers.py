@@ -42,13 +42,12 @@ from prometheus_client import Gauge
 
 from coordinator.config import Settings
 from coordinator.runtime.pod import Pod, PrivateServer
-from coordinator.runtime.server import configure_logging, draining_server, uvicorn_config
+from coordinator.runtime.server import configure_logging, draining_server, uvicorn_config, watch_parent
 
 log = logging.getLogger(__name__)
 
 _RESTART_BACKOFF_S = (0.5, 30.0)  # first and longest wait before starting a worker that died young
 _YOUNG_S = 10.0  # a worker that dies sooner than this after its start is restarted with backoff
-_PARENT_POLL_S = 0.5
 
 
 # -- the worker process -----------------------------------------------------------------------------
@@ -65,14 +64,6 @@ class WorkerSpec:
     port: int
     socket_dir: str
     parent_pid: int
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """A worker whose supervisor is gone (SIGKILLed) drains and exits instead of living on alone."""
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_S)
-    log.warning("the supervisor (pid %d) is gone: draining", parent_pid)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _worker_gauges(app: FastAPI, spec: WorkerSpec) -> None:
@@ -98,7 +89,7 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """A worker's process: today's single-process server on the shared socket, plus its private one."""
     os.setpgrp()  # signals come from the supervisor only (a terminal's Ctrl-C reaches the group)
     configure_logging(spec.settings, worker=spec.index)
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="watch-supervisor",
+    threading.Thread(target=watch_parent, args=(spec.parent_pid,), name="watch-supervisor",
                      daemon=True).start()
     from coordinator.app import build_app
 
@@ -148,8 +139,13 @@ class _Slot:
     exitcode: int | None = None  # of the last process, once it exited during shutdown
 
 
+INDEXER = -1   # the slot index of the pod's KV indexer process
+
+
 class Supervisor:
-    """Starts the workers, restarts the ones that die, and forwards shutdown signals to them."""
+    """Starts the workers (and the pod's KV indexer, ``scheduling.prefix.indexer.mode: pod``), restarts
+    the ones that die, and forwards shutdown signals to the workers; the indexer serves them until the
+    last one has exited."""
 
     def __init__(self, settings: Settings, host: str, port: int) -> None:
         self.settings = settings
@@ -157,10 +153,15 @@ class Supervisor:
         self.port = port
         self.count = settings.server.workers
         self.slots = [_Slot(i) for i in range(self.count)]
+        self.indexer: _Slot | None = _Slot(INDEXER) if settings.indexer_mode() == "pod" else None
         self.signals: list[int] = []
         self._ctx = multiprocessing.get_context("spawn")
         self._sock: socket.socket | None = None
         self._dir = ""
+        self._worker_settings = settings
+
+    def _indexer_address(self) -> str:
+        return f"unix:{os.path.join(self._dir, 'indexer.sock')}"
 
     @property
     def draining(self) -> bool:
@@ -168,7 +169,16 @@ class Supervisor:
 
     def _start(self, slot: _Slot) -> None:
         assert self._sock is not None
-        spec = WorkerSpec(slot.index, self.count, slot.restarts, self.settings, self.host, self.port,
+        if slot.index == INDEXER:
+            from coordinator.indexer.process import IndexerSpec, indexer_main
+
+            process = self._ctx.Process(
+                target=indexer_main, name="coordinator-indexer",
+                args=(IndexerSpec(self.settings, (self._indexer_address(),), os.getpid()),))
+            process.start()
+            slot.process, slot.started_at, slot.exitcode = process, time.monotonic(), None
+            return
+        spec = WorkerSpec(slot.index, self.count, slot.restarts, self._worker_settings, self.host, self.port,
                           self._dir, os.getpid())
         process = self._ctx.Process(target=worker_main, args=(spec, self._sock),
                                     name=f"coordinator-worker-{slot.index}")
@@ -209,36 +219,56 @@ class Supervisor:
         slot.backoff_s = 0.0 if lived >= _YOUNG_S else min(high, max(low, 2 * slot.backoff_s))
         slot.start_after = time.monotonic() + slot.backoff_s
         slot.restarts += 1
-        log.error("worker %d (pid %s) exited with status %s after %.1f s; starting it again in %.1f s "
-                  "(restart %d)", slot.index, process.pid, code, lived, slot.backoff_s, slot.restarts)
+        what = "the KV indexer" if slot.index == INDEXER else f"worker {slot.index}"
+        log.error("%s (pid %s) exited with status %s after %.1f s; starting it again in %.1f s "
+                  "(restart %d)", what, process.pid, code, lived, slot.backoff_s, slot.restarts)
+
+    def _stop_indexer(self) -> None:
+        """After the workers: nothing routes any more."""
+        process = self.indexer.process if self.indexer is not None else None
+        if process is None or process.exitcode is not None:
+            return
+        process.terminate()
+        process.join(5.0)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
 
     def run(self) -> int:
         """Serve until the workers drained after a signal; the exit status for the process."""
         self._sock = bind_socket(self.host, self.port)
         self.port = self._sock.getsockname()[1]
         self._dir = tempfile.mkdtemp(prefix="coordinator-workers-")
+        if self.indexer is not None:
+            # The workers reach the pod's indexer on a unix socket in the pod's private folder.
+            worker_settings = self.settings.model_copy(deep=True)
+            line = worker_settings.scheduling.prefix.indexer
+            line.mode, line.address = "service", self._indexer_address()
+            self._worker_settings = worker_settings
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             shown = f"[{self.host}]" if ":" in self.host else self.host
             log.warning("supervisor pid %d: %d workers on http://%s:%d", os.getpid(), self.count, shown,
                         self.port)
-            for slot in self.slots:
+            kept = [self.indexer, *self.slots] if self.indexer is not None else list(self.slots)
+            for slot in kept:
                 self._start(slot)
             while True:
-                for slot in self.slots:
+                for slot in kept:
                     self._reap(slot)
                     if slot.process is None and not self.draining and time.monotonic() >= slot.start_after:
                         self._start(slot)
                 if self.draining and all(s.process is None for s in self.slots):
                     break
-                alive = [s.process.sentinel for s in self.slots if s.process is not None]
-                waits = [s.start_after - time.monotonic() for s in self.slots if s.process is None]
+                alive = [s.process.sentinel for s in kept if s.process is not None]
+                waits = [s.start_after - time.monotonic() for s in kept if s.process is None]
                 timeout = max(0.0, min([1.0, *waits]))
                 if alive:
                     wait_sentinels(alive, timeout=timeout)
                 else:
                     time.sleep(timeout)
         finally:
+            self._stop_indexer()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self._sock is not None:

@@ -44,9 +44,15 @@ class Pod:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def workers(self) -> list[psutil.Process]:
+    def spawned(self) -> list[psutil.Process]:
+        """The supervisor's processes: its workers and the pod's KV indexer."""
         children = psutil.Process(self.process.pid).children()
         return [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+
+    def workers(self) -> list[psutil.Process]:
+        state = httpx.get(f"{self.url}/ready", timeout=10).json().get("prefix_index")
+        indexer = state.get("pid") if isinstance(state, dict) else None
+        return [p for p in self.spawned() if p.pid != indexer]
 
     def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         """Each sample of the pod's /metrics (asked on a new connection): name → labels → value."""
@@ -138,6 +144,8 @@ def test_sigterm_drains_every_worker_then_the_pod_exits_0(
         assert probe.get("/ready").status_code == 200
         workers = p.workers()
         assert len(workers) == 2
+        spawned = p.spawned()   # the workers and the pod's KV indexer, which serves them to the end
+        assert len(spawned) == 3
         stream = {**BODY, "max_tokens": 150, "stream": True}  # ~3 s at 20 ms a token
         reader = StreamReader(p.url, stream, path="/v1/completions")
         reader.start()
@@ -159,7 +167,7 @@ def test_sigterm_drains_every_worker_then_the_pod_exits_0(
                   if c.get("finish_reason")]
         assert finish == ["length"]
         assert p.process.wait(60) == 0
-        assert not any(w.is_running() for w in workers)
+        assert not any(w.is_running() for w in spawned)
 
 
 def test_a_killed_worker_is_started_again_while_the_pod_keeps_answering(

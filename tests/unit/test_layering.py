@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocols", ("coordinator.nnrp",)),
     ("doors", ("coordinator.api",)),
     ("app", ("coordinator.app",)),
-    ("runtime", ("coordinator.runtime", "coordinator.embedded", "coordinator.__main__")),
+    ("runtime", ("coordinator.runtime", "coordinator.indexer", "coordinator.embedded", "coordinator.__main__")),
     ("tools", ("coordinator.nnrp.conformance",)),
 ]
 

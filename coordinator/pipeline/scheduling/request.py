@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from coordinator.contracts.hashing import Media
 from coordinator.pipeline.engines.capabilities import NATIVE_API, NO_NEEDS, Capability
 from coordinator.pipeline.engines.engine import Engine
+from coordinator.pipeline.scheduling.prefix.memory import PrefixView
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SchedRequest:
     scores_prompt: bool = False                       # prompt logprobs: one engine computes the whole prompt
     lora: str | None = None                           # its LoRA adapter (engines must hold or load it)
     media: Media = ()                                 # its images, for media-aware block hashes
+    prefix_view: PrefixView | None = None             # the pod indexer's match, asked before placing
 
     @property
     def native_api(self) -> bool:

@@ -24,6 +24,7 @@ from coordinator.pipeline.scheduling.placement import handoff as pd
 from coordinator.pipeline.scheduling.placement import hybrid, union
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from coordinator.pipeline.scheduling.request import Placement, SchedRequest
 from coordinator.pipeline.scheduling.scorers import SCORERS, LoraScorer
 from coordinator.pipeline.scheduling.types import EngineView, Filter, Picker, Scorer, ScoringInput
@@ -91,17 +92,20 @@ class Scheduler:
     def __init__(self, registry: EngineRegistry, profile: Profile, *, index: PrefixIndex | None,
                  block_size: int, learn: bool, topology: TopologySettings,
                  metrics: Metrics | None = None, pending: PrefixIndex | None = None,
-                 defer: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 defer: Callable[[Callable[[], None]], None] | None = None,
+                 remote: RemoteIndex | None = None) -> None:
         """``learn``: routing decisions feed ``index`` (the approximate source). ``pending``: a short-TTL
         index that routing decisions feed while ``index`` is fed by the engines' KV events (the precise
         source): events arrive only once a prefill has stored its blocks, and a prefix being prefilled
         right now must already attract its followers. ``defer``: how what decisions teach the index
         is applied later, in one batch (e.g. ``soon``; None: at once, inside ``place``). A decision
         only reads the index; until the batch runs, later decisions read the unapplied lessons
-        directly (``PrefixMemory.lookup``), so they see what they would have seen without deferral."""
+        directly (``PrefixMemory.lookup``), so they see what they would have seen without deferral.
+        ``remote``: the pod's indexer holds the index and the pending layer instead (``prefetch``
+        asks it before each placement)."""
         self._registry = registry
         self.profile = profile
-        self.memory = PrefixMemory(index, pending, learn=learn, defer=defer)
+        self.memory = PrefixMemory(index, pending, learn=learn, defer=defer, remote=remote)
         self._block_size = block_size
         self._topology = topology
         self._metrics = metrics
@@ -127,13 +131,30 @@ class Scheduler:
         return not needs or any(e.role in ("union", "decode") and e.serves(model) and not e.removed
                                 and e.can_all(needs) for e in self._registry.engines)
 
+    async def prefetch(self, req: SchedRequest) -> None:
+        """With the pod's indexer: ask it about ``req``'s prompt before admission places it (``place``
+        is synchronous). Without an answer the decision routes on load and this process's own
+        recent lessons, and the metric says so."""
+        if self.memory.remote is None or not self._reads_index(req):
+            return
+        self._prepare(req)
+        if not req.block_hashes:
+            return
+        req.prefix_view = await self.memory.view(req.block_hashes)
+        if req.prefix_view is None and self._metrics is not None:
+            self._metrics.indexer_unanswered.inc()
+
+    def _reads_index(self, req: SchedRequest) -> bool:
+        handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
+        return handoff or self._scores_prefix
+
     def place(self, req: SchedRequest) -> Placement | None:
         """Engines for ``req`` with room now; None = wait for capacity; raises NoHealthyEngine. The
         rules are in ``placement/``; this picks the one for the request's topology."""
         handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
-        matched, continuing = self.memory.lookup(req.block_hashes)  # once, for every role below
+        matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)  # once, for every role
         data = ScoringInput(req, matched, self._block_size, continuing)
         if not handoff:
             return union.place(self, data)
@@ -151,7 +172,7 @@ class Scheduler:
         engine already holds the request's KV blocks, and waiting here would only hold them longer.
         Raises ``NoHealthyEngine`` when no prefill engine can take it."""
         self._prepare(req)
-        matched, continuing = self.memory.lookup(req.block_hashes)
+        matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)
         data = ScoringInput(req, matched, self._block_size, continuing)
         tokens = req.prompt_tokens + 1
         engine = self.choose(data, "prefill", tokens)

@@ -115,6 +115,7 @@ class Attempts:
 
     async def admit(self, req: SchedRequest, *, prefill_tokens: PrefillTokens = no_prefill) -> Grant:
         """A grant and placement for ``req`` (waits in the admission queue if it must)."""
+        await self._scheduler.prefetch(req)   # the pod indexer's match, when it holds the index
         with tracing.stage("admission", attributes={"coordinator.priority": req.priority,
                                                     "coordinator.admission.cost_tokens": req.cost_tokens}):
             grant = await self._admission.admit(req, tracing.placing(self._scheduler.place),

@@ -4,4 +4,4 @@ wired by ``app.py``), and the pod's indexer process that can hold all of it for 
 (``remote``: its client).
 """
 
-__all__ = ["feeds", "index", "kv_events", "memory"]
+__all__ = ["feeds", "index", "kv_events", "memory", "remote"]

@@ -46,8 +46,15 @@ class KvEventSubscriber:
     BATCH_S = 0.002  # the most one engine's batches hold the event loop at a time
 
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
-                 context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None) -> None:
+                 context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None,
+                 bootstrap: bool = False) -> None:
+        """``bootstrap``: on a start with nothing seen yet, first apply everything the engine's replay
+        socket still buffers, so a fresh index (a restarted indexer) holds what the engine holds now,
+        as far as the buffer reaches (vLLM keeps its last 10,000 batches by default)."""
         self.endpoint = endpoint
+        self.bootstrap = bootstrap
+        self.duplicates = 0
+        self._catching_up = False
         self.replay_endpoint = replay_endpoint
         self.replayed = 0
         self.mirror = mirror
@@ -84,7 +91,11 @@ class KvEventSubscriber:
         self._loop = asyncio.get_running_loop()
         self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
-        self._again = self._loop.call_soon(self._drain)  # anything queued before the reader was added
+        if self.bootstrap and self.replay_endpoint is not None and self.last_seq is None:
+            self._replaying = self._loop.create_task(self._bootstrap(),
+                                                     name=f"kv-events bootstrap {self.mirror.engine}")
+        else:
+            self._again = self._loop.call_soon(self._drain)  # anything queued before the reader was added
 
     async def stop(self) -> None:
         """Stop receiving and forget this engine's blocks (nothing keeps them current any more)."""
@@ -135,6 +146,17 @@ class KvEventSubscriber:
                 self._again = self._loop.call_soon(self._drain)
                 return
 
+    async def _bootstrap(self) -> None:
+        try:
+            applied = await self.replay(0)
+            log.info("KV events from %s: %d buffered batches replayed at start", self.mirror.engine, applied)
+        except Exception:  # the live feed goes on without the history
+            log.exception("KV events from %s: start-up replay failed", self.mirror.engine)
+        self._catching_up = self.last_seq is not None
+        self._replaying = None
+        if self._sock is not None and self._loop is not None:
+            self._again = self._loop.call_soon(self._drain)
+
     async def _replay_then_go_on(self) -> None:
         frames = self._held
         assert frames is not None
@@ -164,9 +186,10 @@ class KvEventSubscriber:
         except Exception:  # one bad batch must not end the subscription
             log.exception("KV events from %s: failed to apply a batch", self.mirror.engine)
 
-    async def replay(self, first: int, stop: int) -> int:
-        """Fetch batches ``first`` … ``stop - 1`` from the engine's replay socket and apply them in
-        order; returns how many were applied (a short replay leaves a gap for ``handle`` to count)."""
+    async def replay(self, first: int, stop: int | None = None) -> int:
+        """Fetch batches ``first`` … ``stop - 1`` (None: all it buffers) from the engine's replay socket
+        and apply them in order; returns how many were applied (a short replay leaves a gap for
+        ``handle`` to count). A subscriber that has seen nothing yet takes the first one it gets."""
         assert self.replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -181,7 +204,7 @@ class KvEventSubscriber:
                 if len(body) != 3 or body[1] == self.END_SEQ:
                     break
                 seq = int.from_bytes(body[1], "big")
-                if self.last_seq is not None and seq == self.last_seq + 1 and seq < stop:
+                if (self.last_seq is None or seq == self.last_seq + 1) and (stop is None or seq < stop):
                     self.handle(body)
                     applied += 1
         except TimeoutError:
@@ -200,6 +223,11 @@ class KvEventSubscriber:
             return
         seq = int.from_bytes(frames[1], "big")
         last = self.last_seq
+        if self._catching_up and last is not None:
+            if seq <= last:  # published while the start-up replay ran: applied from the buffer already
+                self.duplicates += 1
+                return
+            self._catching_up = False
         if last is not None and seq != last + 1:
             if seq <= last:
                 self.restarts += 1
@@ -225,13 +253,15 @@ class PreciseIndexSource:
     """
 
     def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
-                 topic: str = "", context: zmq.Context[Any] | None = None) -> None:
+                 topic: str = "", context: zmq.Context[Any] | None = None, bootstrap: bool = False) -> None:
+        """``bootstrap``: each feed first replays what its engine still buffers (``KvEventSubscriber``)."""
         self.index = index
         self.model_of = model_of
         self.block_size = block_size
         self.topic = topic
         self._ctx = context
         self.subscribers: dict[str, KvEventSubscriber] = {}
+        self.bootstrap = bootstrap
 
     async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
                      replay: str | None = None) -> KvEventSubscriber:
@@ -245,7 +275,8 @@ class PreciseIndexSource:
                 return sub
             await self.detach(engine_url)
         mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
-        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay)
+        sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
+                                bootstrap=self.bootstrap)
         sub.start()
         self.subscribers[engine_url] = sub
         log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)

@@ -7,15 +7,44 @@ and the lessons of decisions not applied yet. Learning is the step after a place
 only reads, and what it teaches is applied later in one batch (``defer``), while later decisions
 read the unapplied lessons directly (``lookup``), so they see what they would have seen without
 the deferral.
+
+With the pod's indexer (``remote``) the index and the pending layer live in that process, shared by
+every worker: a decision reads the indexer's answer to a question asked just before it
+(``PrefixView``) plus this process's lessons the indexer had not received when it answered, and the
+lessons are sent to it in the deferred batch. Sent lessons are kept here for ``RECENT_S``, which is
+also what a decision sees of the past while the indexer is unreachable.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from coordinator.contracts.hashing import BlockHash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
+
+RECENT_S = 2.0      # how long sent lessons stay readable here (remote index)
+RECENT_MAX = 4096
+
+
+class _Shape(Protocol):
+    """What ``continues`` asks of an index: whether an indexed block continues ``h``."""
+
+    def continues(self, h: BlockHash) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """The indexer's match for one prompt, asked before its decision."""
+
+    matched: dict[str, int]
+    continuing: frozenset[str]
+    seen: int   # this process's lessons numbered up to here had been sent when it asked
 
 
 class _Differs:
@@ -30,34 +59,63 @@ class _Differs:
 
 class PrefixMemory:
     def __init__(self, index: PrefixIndex | None, pending: PrefixIndex | None, *, learn: bool,
-                 defer: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 defer: Callable[[Callable[[], None]], None] | None = None,
+                 remote: RemoteIndex | None = None) -> None:
         """``learn``: decisions feed ``index`` (the approximate source). ``pending``: the short-TTL
         layer decisions feed while ``index`` is fed by KV events. ``defer``: how the batch of lessons
-        is scheduled (None: applied at once)."""
+        is scheduled (None: applied at once). ``remote``: the pod's indexer, which holds both (then
+        ``index`` and ``pending`` are None here)."""
         self.index = index
         self.pending = pending
+        self.remote = remote
         self._learns = learn and index is not None
         self._defer = defer
         self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
+        self._sent: deque[tuple[int, float, str, list[BlockHash]]] = deque(maxlen=RECENT_MAX)
+        self._sent_seq = 0
 
     @property
     def active(self) -> bool:
         """Whether there is anything to look prompts up in."""
-        return self.index is not None or self.pending is not None
+        return self.index is not None or self.pending is not None or self.remote is not None
 
-    def lookup(self, hashes: list[int] | None) -> tuple[dict[str, int], frozenset[str]]:
-        """Blocks each engine holds (the longest of the index, the pending layer and the lessons not
-        applied yet), and the engines where the request extends its own chain: its match ends at a
-        leaf or covers the prompt."""
+    async def view(self, hashes: list[int]) -> PrefixView | None:
+        """Ask the indexer (``remote``) about ``hashes``; None if it cannot answer now."""
+        if self.remote is None or not hashes:
+            return None
+        seen = self._sent_seq
+        answer = await self.remote.match(hashes)
+        if answer is None:
+            return None
+        return PrefixView({m.engine: m.blocks for m in answer.engines},
+                          frozenset(m.engine for m in answer.engines if m.continues), seen)
+
+    def _lessons(self, view: PrefixView | None) -> Iterator[tuple[str, list[BlockHash]]]:
+        """The lessons a lookup must read itself: those not applied (or sent) yet, and with the indexer,
+        those sent after ``view`` was asked for (all recent ones when there is no view)."""
+        yield from self._unlearned
+        if self.remote is None:
+            return
+        seen = view.seen if view is not None else -1
+        for seq, _, url, chain in reversed(self._sent):
+            if seq <= seen:
+                break
+            yield url, chain
+
+    def lookup(self, hashes: list[int] | None,
+               view: PrefixView | None = None) -> tuple[dict[str, int], frozenset[str]]:
+        """Blocks each engine holds (the longest of the index, the pending layer, the indexer's
+        ``view`` and the lessons it lacks), and the engines where the request extends its own chain:
+        its match ends at a leaf or covers the prompt."""
         matched: dict[str, int] = {}
         continuing: set[str] = set()
         if not hashes:
             return matched, frozenset()
         indexes = [ix for ix in (self.index, self.pending) if ix is not None]
-        unlearned = self._unlearned
+        unlearned = list(self._lessons(view))
         lands_in = [ix for ix in (self.index if self._learns else None, self.pending) if ix is not None]
 
-        def extends(n: int, shapes: Sequence[PrefixIndex]) -> bool:
+        def extends(n: int, shapes: Sequence[_Shape]) -> bool:
             """The match of ``n`` blocks covers the prompt or ends at a leaf: no block of ``shapes``
             or about to be indexed continues its last one (chains are position-tagged, so only
             depth ``n - 1`` of a lesson can hold it)."""
@@ -67,7 +125,7 @@ class PrefixMemory:
             return (all(ix.continues(h) for ix in shapes)
                     and not any(len(c) > n and c[n - 1] == h for _, c in unlearned))
 
-        def note(url: str, n: int, shapes: Sequence[PrefixIndex]) -> None:
+        def note(url: str, n: int, shapes: Sequence[_Shape]) -> None:
             best = matched.get(url, 0)
             if n > best:
                 matched[url] = n
@@ -78,6 +136,9 @@ class PrefixMemory:
         for index in indexes:
             for url, n in index.match(hashes).items():
                 note(url, n, (index,))
+        if view is not None:
+            for url, n in view.matched.items():
+                note(url, n, () if url in view.continuing else (_NEVER,))
         for url, chain in unlearned:
             # Equal chained hashes at a depth mean equal prefixes up to it: bisect for the first
             # difference.
@@ -88,7 +149,7 @@ class PrefixMemory:
 
     def learn(self, engine_url: str, hashes: list[BlockHash] | None) -> None:
         """A placement's lesson: ``engine_url`` now holds (or is about to hold) this chain."""
-        if not hashes or not (self._learns or self.pending is not None):
+        if not hashes or not (self._learns or self.pending is not None or self.remote is not None):
             return
         self._unlearned.append((engine_url, hashes))
         if self._defer is None:
@@ -97,8 +158,19 @@ class PrefixMemory:
             self._defer(self.flush)
 
     def flush(self) -> None:
-        """Apply the lessons to the index (and the pending layer), oldest first."""
+        """Apply the lessons to the index (and the pending layer), oldest first; or send them to the
+        indexer, keeping them readable here for ``RECENT_S``."""
         batch, self._unlearned = self._unlearned, []
+        if self.remote is not None:
+            now = time.monotonic()
+            sent = self._sent
+            while sent and sent[0][1] < now - RECENT_S:
+                sent.popleft()
+            for url, hashes in batch:
+                self.remote.learn(url, hashes)
+                self._sent_seq += 1
+                sent.append((self._sent_seq, now, url, hashes))
+            return
         for url, hashes in batch:
             if self._learns and self.index is not None:
                 self.index.add(url, hashes)
@@ -108,6 +180,21 @@ class PrefixMemory:
     def forget(self, engine_url: str) -> None:
         """An engine left (or lost its cache): nothing is known to be cached there any more."""
         self._unlearned = [(url, hashes) for url, hashes in self._unlearned if url != engine_url]
+        if self.remote is not None:
+            self.remote.forget(engine_url)
+            kept = [lesson for lesson in self._sent if lesson[2] != engine_url]
+            self._sent.clear()
+            self._sent.extend(kept)
         for index in (self.index, self.pending):
             if index is not None:
                 index.clear(engine_url)
+
+
+class _Never:
+    """A shape in which every block is continued: the indexer said the match does not extend its chain."""
+
+    def continues(self, h: BlockHash) -> bool:
+        return False
+
+
+_NEVER = _Never()

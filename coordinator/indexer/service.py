@@ -1,0 +1,82 @@
+"""What the indexer does with each message: the same ``PrefixMemory`` a coordinator process would keep,
+fed by every worker's lessons and, with the precise source, by the engines' KV events."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from coordinator.config import PrefixIndexSettings
+from coordinator.contracts.indexer import (
+    Attach,
+    Detach,
+    EngineMatch,
+    Forget,
+    Learn,
+    Match,
+    Matched,
+    Reply,
+    Request,
+    Stats,
+    Status,
+)
+from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
+
+
+class IndexService:
+    """One pod's (or one replica set's) prefix index. The approximate source learns from every
+    worker's decisions, so each sees the lessons of all; the precise source mirrors each engine's KV
+    events once for the pod, and the workers' lessons feed its short-lived pending layer."""
+
+    def __init__(self, prefix: PrefixIndexSettings) -> None:
+        self.source = prefix.source
+        self.started_at = time.time()
+        self.feeds: PreciseIndexSource | None = None
+        if prefix.source == "precise":
+            self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
+            pending = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.pending_ttl_s)
+            self.memory = PrefixMemory(self.index, pending, learn=False)
+            # A fresh indexer (a restart) first replays what each engine still buffers.
+            self.feeds = PreciseIndexSource(self.index, self._model_of, prefix.block_size, bootstrap=True)
+        else:
+            self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
+            self.memory = PrefixMemory(self.index, None, learn=True)
+        self._models: dict[str, str] = {}
+
+    def _model_of(self, engine: str) -> str:
+        return self._models.get(engine, "")
+
+    async def handle(self, message: Request) -> Reply | None:
+        """The answer to ``message`` (None for the ones that have none)."""
+        if isinstance(message, Match):
+            matched, continuing = self.memory.lookup(message.hashes)
+            return Matched(message.id, [EngineMatch(e, n, e in continuing) for e, n in matched.items()])
+        if isinstance(message, Learn):
+            self.memory.learn(message.engine, message.hashes)
+        elif isinstance(message, Attach):
+            if self.feeds is not None:
+                self._models[message.engine] = message.model
+                await self.feeds.attach(message.engine, message.endpoint, message.model, message.replay)
+        elif isinstance(message, Detach):
+            if self.feeds is not None:
+                await self.feeds.detach(message.engine)
+        elif isinstance(message, Forget):
+            self.memory.forget(message.engine)
+        elif isinstance(message, Status):
+            return self.stats(message.id)
+        return None
+
+    def stats(self, request_id: int = 0) -> Stats:
+        subs = list(self.feeds.subscribers.values()) if self.feeds is not None else []
+        engines = self.index.engines()
+        return Stats(request_id, self.source, engines=sum(1 for e in engines if self.index.blocks(e)),
+                     blocks=sum(self.index.blocks(e) for e in engines), feeds=len(subs),
+                     batches=sum(s.mirror.stats.batches for s in subs), gaps=sum(s.gaps for s in subs),
+                     replayed=sum(s.replayed for s in subs), started_at=self.started_at,
+                     pid=os.getpid())
+
+    async def aclose(self) -> None:
+        if self.feeds is not None:
+            await self.feeds.stop_all()

@@ -1,0 +1,166 @@
+"""The pod's KV indexer (``scheduling.prefix.indexer``): one process beside the workers holds the prefix
+index, so a conversation's turns reach the engine that holds it whichever worker routes them; a
+SIGKILLed indexer costs no request (routing falls back to load), is started again, and rebuilds what
+the engines hold from their KV events' replay buffers, with the workers' lines back up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import SERVED
+from tests.integration.test_workers import Pod, pod
+from tests.support import free_port, wait_until
+from token_engine.simulator import SimConfig, SimulatedEngine
+
+TURN_TOKENS = 48
+
+
+def _prompt(conversation: int, turns: int) -> list[int]:
+    """A conversation's prompt after ``turns`` turns: each turn extends the one before."""
+    return [100 + (conversation * 7919 + i * 31) % 20000 for i in range(TURN_TOKENS * turns)]
+
+
+def _turn(p: Pod, conversation: int, turn: int) -> int:
+    r = httpx.post(f"{p.url}/v1/completions", timeout=60,   # a new connection: any worker may take it
+                   headers={"x-request-id": f"conv{conversation}-turn{turn}"},
+                   json={"model": SERVED, "prompt": _prompt(conversation, turn), "max_tokens": 4,
+                         "ignore_eos": True, "temperature": 0})
+    return r.status_code
+
+
+def _served_on(engines: list[SimulatedEngine], ids: list[str]) -> dict[str, str]:
+    """Client request id → the engine (url) it ran on, from each engine's own log of what it received
+    (the engine's id for a request carries the client's ``x-request-id``)."""
+    received = [(entry["request_id"], e.url) for e in engines
+                for entry in httpx.get(f"{e.url}/sim/state", timeout=10).json()["history"]]
+    out = {}
+    for rid in ids:
+        where = {url for engine_id, url in received if engine_id.endswith(rid) or f"{rid}-" in engine_id}
+        assert len(where) == 1, (rid, received)
+        out[rid] = where.pop()
+    return out
+
+
+def _ready(p: Pod) -> dict[str, Any]:
+    return httpx.get(f"{p.url}/ready", timeout=10).json()
+
+
+def _index(p: Pod) -> dict[str, Any]:
+    state = _ready(p)["prefix_index"]
+    assert isinstance(state, dict), state
+    return state
+
+
+def test_turns_reach_the_engine_that_holds_them_whichever_worker_routes(tmp_path: Path,
+                                                                       render_sidecar: Any) -> None:
+    """Approximate source, two workers: 8 conversations of 4 turns at once, each turn on a new
+    connection. Both workers route, and every later turn runs where the conversation's first did
+    (each worker alone would know only the turns it routed itself)."""
+    engines = [SimulatedEngine(SimConfig(model=SERVED, seed=i, decode_s_per_token=0.002)).start()
+               for i in range(2)]
+    try:
+        extra = {"engines": [{"url": e.url} for e in engines]}
+        with pod(tmp_path, str(render_sidecar.url), engines[0].url, **extra) as p:
+            state = _index(p)
+            assert state["indexer"] == "up" and state["source"] == "approximate"
+            statuses: list[int] = []
+
+            def conversation(c: int) -> None:
+                for turn in range(1, 5):
+                    statuses.append(_turn(p, c, turn))
+
+            threads = [threading.Thread(target=conversation, args=(c,)) for c in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert statuses == [200] * 32
+            per_worker = p.metrics()["coordinator_worker_requests"]
+            assert len([v for v in per_worker.values() if v > 0]) == 2, per_worker  # both workers routed
+            served = _served_on(engines, [f"conv{c}-turn{t}" for c in range(8) for t in range(1, 5)])
+            for c in range(8):
+                first = served[f"conv{c}-turn1"]
+                assert [served[f"conv{c}-turn{t}"] for t in range(2, 5)] == [first] * 3, (
+                    c, served, p.metrics().get("coordinator_prefix_indexer_unanswered_total"))
+            assert len({served[f"conv{c}-turn1"] for c in range(8)}) == 2   # and load still spreads them
+            assert _index(p)["blocks"] > 0
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_a_killed_indexer_costs_no_request_and_rebuilds_from_the_engines_replay(
+        tmp_path: Path, render_sidecar: Any) -> None:
+    """Precise source, two workers, two engines publishing KV events with replay sockets. The indexer
+    is SIGKILLed while requests run: none fails; the supervisor starts it again; the workers' lines
+    come back (and send it the feeds again); it holds what the engines hold, from their replay buffers,
+    without one more request."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    engines = [SimulatedEngine(SimConfig(model=SERVED, seed=i, decode_s_per_token=0.002,
+                                         kv_events_endpoint=f"tcp://*:{pub}",
+                                         kv_events_replay_endpoint=f"tcp://*:{replay}")).start()
+               for i, (pub, replay) in enumerate(ports)]
+    try:
+        extra = {"engines": [{"url": e.url, "kv_events": f"tcp://127.0.0.1:{pub}",
+                              "kv_events_replay": f"tcp://127.0.0.1:{replay}"}
+                             for e, (pub, replay) in zip(engines, ports, strict=True)],
+                 "scheduling": {"prefix": {"source": "precise"}}}
+        with pod(tmp_path, str(render_sidecar.url), engines[0].url, **extra) as p:
+            assert wait_until(lambda: _index(p).get("feeds") == 2, timeout=20), _ready(p)
+            first = _index(p)
+            statuses: list[int] = []
+            stop = threading.Event()
+
+            def load(c: int) -> None:
+                turn = 0
+                while not stop.is_set():
+                    turn += 1
+                    statuses.append(_turn(p, c + 100 * (turn // 6), turn % 6 + 1))
+
+            threads = [threading.Thread(target=load, args=(c,)) for c in range(4)]
+            for t in threads:
+                t.start()
+            assert wait_until(lambda: len(statuses) >= 20, timeout=60)
+            psutil.Process(first["pid"]).kill()
+            assert wait_until(lambda: _index(p).get("pid") not in (None, first["pid"]), timeout=30), _ready(p)
+            time.sleep(1.0)
+            stop.set()
+            for t in threads:
+                t.join()
+            assert statuses and all(s == 200 for s in statuses), statuses
+
+            def whole() -> bool:
+                held = sum(httpx.get(f"{e.url}/sim/state", timeout=10).json()["prefix_cache"]["blocks"]
+                           for e in engines)
+                state = _index(p)
+                return state.get("feeds") == 2 and state.get("blocks") == held > 0
+
+            assert wait_until(whole, timeout=30), (_ready(p), [httpx.get(f"{e.url}/sim/state").json()
+                                                               ["prefix_cache"] for e in engines])
+            after = _index(p)
+            assert after["replayed"] > 0 and after["started_at"] > first["started_at"]
+            up = p.metrics()["coordinator_prefix_indexer_up"]
+            assert len(up) == 2 and all(v == 1 for v in up.values()), up
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@pytest.mark.parametrize(("mode", "processes"), [("local", 2), ("auto", 3)])
+def test_the_indexer_process_is_there_unless_the_index_is_local(tmp_path: Path, render_sidecar: Any,
+                                                                 mode: str, processes: int) -> None:
+    """Two workers: ``indexer.mode: local`` starts no indexer process and /ready says the index is each
+    worker's own; the default (auto) starts one beside the workers."""
+    with SimulatedEngine(SimConfig(model=SERVED, seed=1)) as engine:
+        with pod(tmp_path, str(render_sidecar.url), engine.url,
+                 scheduling={"prefix": {"indexer": {"mode": mode}}}) as p:
+            state = _ready(p)["prefix_index"]
+            assert state == "local" if mode == "local" else state["indexer"] == "up"
+            assert len(p.spawned()) == processes   # the workers (and the indexer)
