@@ -34,6 +34,7 @@ from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.engines.registry import EngineRegistry
 from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
 from perf._report import pct
@@ -50,7 +51,8 @@ def stats_ms(samples_s: list[float]) -> dict[str, float]:
 
 
 def bench_scheduler(n_engines: int, policy: str, index: PrefixIndex | None, http: httpx.AsyncClient,
-                    seed: int, pending: PrefixIndex | None = None) -> Scheduler:
+                    seed: int, pending: PrefixIndex | None = None,
+                    remote: RemoteIndex | None = None) -> Scheduler:
     """The production wiring (registry from ``Settings``, ``build_profile``, metrics) over
     ``n_engines`` with static, seeded loads. ``index`` alone: the approximate source, learning;
     with ``pending``: the precise one. As in the app, what a decision teaches the index is applied
@@ -66,7 +68,7 @@ def bench_scheduler(n_engines: int, policy: str, index: PrefixIndex | None, http
     profile = build_profile(settings.scheduling, TokenLedger(None).engine_room)
     return Scheduler(registry, profile, index=index, block_size=BLOCK,
                      learn=index is not None and pending is None, topology=settings.topology,
-                     metrics=Metrics(), pending=pending, defer=lambda work: None)
+                     metrics=Metrics(), pending=pending, defer=lambda work: None, remote=remote)
 
 
 def agent_scale(workload_cls: Any, *, engines: int, capacity: int, tokens: int, decisions: int, chunk: int,

@@ -39,9 +39,14 @@ from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
+from perf._indexer_intake import kv_intake_pod
 from perf._report import Progress, final_json, save_figure, write_report
 from perf._scheduler_scale import agent_scale, bench_scheduler, kv_intake, stats_ms
 
+INTAKE_LATENESS_P99_MS = 5.0     # pod indexer: a due decision waits at most this for its worker's loop
+INTAKE_LATENESS_P50_MS = 1.0
+INTAKE_CPU_US_PER_BLOCK = 2.0    # over every process of the pod
+INTAKE_WORKERS_RATIO = 1.2       # N workers' intake CPU over 1 worker's
 NAME = "scheduler_latency"
 MODEL = "smollm2-135m-instruct"
 TARGET_P50_MS = 0.2
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--intake-interval-ms", type=float, default=100.0, help="pause between decisions")
     ap.add_argument("--intake-batches-per-s", type=float, default=10.0, help="per engine")
     ap.add_argument("--intake-blocks-per-batch", type=int, default=16)
+    ap.add_argument("--intake-workers", type=int, default=4, help="worker processes of the pod variant")
     ap.add_argument("--quick", action="store_true", help="smoke run: small index, few decisions")
     args = ap.parse_args(argv)
     if args.quick:
@@ -282,6 +288,24 @@ def main(argv: list[str] | None = None) -> None:
                        decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
                        batches_per_s=args.intake_batches_per_s, blocks_per_batch=args.intake_blocks_per_batch,
                        seed=args.seed, say=say)
+    pod = {str(n): kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
+                                 decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
+                                 batches_per_s=args.intake_batches_per_s,
+                                 blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=n,
+                                 say=say)
+           for n in (1, args.intake_workers)}
+    one, many = pod["1"], pod[str(args.intake_workers)]
+    pod_targets = {
+        "lateness_p99": one["busy_lateness_p99_ms"] <= INTAKE_LATENESS_P99_MS
+        and many["busy_lateness_p99_ms"] <= INTAKE_LATENESS_P99_MS,
+        "lateness_p50": one["busy_lateness_p50_ms"] <= INTAKE_LATENESS_P50_MS
+        and many["busy_lateness_p50_ms"] <= INTAKE_LATENESS_P50_MS,
+        "cpu_per_block": one["intake_cpu_us_per_block"] <= INTAKE_CPU_US_PER_BLOCK,
+        "workers_cpu_ratio": many["intake_cpu_us_per_block"]
+        <= INTAKE_WORKERS_RATIO * one["intake_cpu_us_per_block"],
+        "every_block_applied": all(r["applied_blocks"] == r["published_blocks"] and r["gaps"] == 0
+                                   for r in pod.values()),
+    }
 
     a, rr, ll = main_run["affinity"], main_run["round_robin"], main_run["least_load"]
     figures: dict[str, Any] = {
@@ -295,7 +319,9 @@ def main(argv: list[str] | None = None) -> None:
         "affinity_vs_least_load_p50_ratio": round(a["p50_ms"] / ll["p50_ms"], 3),
         "target_p50_ms": TARGET_P50_MS, "target_rr_ratio": TARGET_RR_RATIO,
         "target_met": a["p50_ms"] / rr["p50_ms"] <= TARGET_RR_RATIO,
-        "scale": scale, "intake": intake,
+        "scale": scale, "intake": intake, "intake_pod": pod, "intake_pod_targets": pod_targets,
+        "intake_workers_cpu_ratio": round(many["intake_cpu_us_per_block"]
+                                          / max(0.01, one["intake_cpu_us_per_block"]), 2),
         "scale_target": {"p50_ms": SCALE_P50_MS, "p99_ms": SCALE_P99_MS},
         "scale_target_met": (scale["parts"]["decision"]["p50_ms"] <= SCALE_P50_MS
                              and scale["parts"]["decision"]["p99_ms"] <= SCALE_P99_MS),
@@ -318,7 +344,14 @@ def main(argv: list[str] | None = None) -> None:
                 "scale_learn_p50_ms": sp["learn"]["p50_ms"], "scale_rr_p50_ms": sp["rr"]["p50_ms"],
                 "scale_target_met": figures["scale_target_met"],
                 "intake_busy_vs_idle_decision_p50": intake["busy_vs_idle_decision_p50"],
-                "intake_busy_lateness_p99_ms": intake["busy_lateness_p99_ms"]})
+                "intake_busy_lateness_p99_ms": intake["busy_lateness_p99_ms"],
+                "intake_cpu_us_per_block": intake["intake_cpu_us_per_block"],
+                "pod_intake_lateness_p99_ms": one["busy_lateness_p99_ms"],
+                "pod_intake_lateness_p50_ms": one["busy_lateness_p50_ms"],
+                "pod_intake_cpu_us_per_block": one["intake_cpu_us_per_block"],
+                f"pod_intake_{args.intake_workers}_workers_cpu_us_per_block": many["intake_cpu_us_per_block"],
+                "pod_intake_workers_cpu_ratio": figures["intake_workers_cpu_ratio"],
+                "pod_intake_targets": pod_targets})
 
 
 def _markdown(f: dict[str, Any]) -> str:
@@ -391,7 +424,41 @@ def _markdown(f: dict[str, Any]) -> str:
             f"Busy/idle decision p50: {it['busy_vs_idle_decision_p50']}x; intake CPU "
             f"{it['intake_cpu_us_per_block']} µs per stored block (its removal included); "
             f"sequence gaps {it['gaps']} "
-            f"({it['missed_batches']} batches missed).\n\n![plot]({NAME}.png)\n")
+            f"({it['missed_batches']} batches missed).\n\n" + _pod_markdown(f)
+            + f"\n\n![plot]({NAME}.png)\n")
+
+
+def _pod_markdown(f: dict[str, Any]) -> str:
+    """The same intake with the pod's KV indexer (docs/scheduling.md, "The pod's KV index")."""
+    it, pod, ok = f["intake"], f["intake_pod"], f["intake_pod_targets"]
+    rows = ["| where the index lives | workers | busy decision p50 / p99 ms | busy lateness p50 / p99 ms | "
+            "intake CPU µs per block (all processes) | blocks published / applied | gaps | "
+            "matches unanswered |", "|---|---|---|---|---|---|---|---|"]
+    ib = it["busy"]
+    rows.append(f"| in the worker (local) | 1 | {ib['decision']['p50_ms']:.3f} / "
+                f"{ib['decision']['p99_ms']:.3f} | "
+                f"{ib['lateness']['p50_ms']:.3f} / {ib['lateness']['p99_ms']:.3f} | "
+                f"{it['intake_cpu_us_per_block']} | {it['published_blocks']:,} / n/a | {it['gaps']} | n/a |")
+    for n, r in pod.items():
+        b = r["busy"]
+        rows.append(f"| pod indexer process | {n} | {b['decision']['p50_ms']:.3f} / "
+                    f"{b['decision']['p99_ms']:.3f} | "
+                    f"{b['lateness']['p50_ms']:.3f} / {b['lateness']['p99_ms']:.3f} | "
+                    f"{r['intake_cpu_us_per_block']} | {r['published_blocks']:,} / {r['applied_blocks']:,} | "
+                    f"{r['gaps']} | {b['unanswered']} |")
+
+    def met(key: str) -> str:
+        return "met" if ok[key] else "**NOT met**"
+
+    return ("### With the pod's KV indexer\n\nThe feeds and the index in an indexer process; each worker "
+            "asks "
+            "it before placing (the decision time includes that round trip). Intake CPU is busy minus idle "
+            "over the indexer and every worker.\n\n" + "\n".join(rows) + "\n\n"
+            f"Targets: busy lateness p99 ≤ {INTAKE_LATENESS_P99_MS} ms {met('lateness_p99')}; p50 ≤ "
+            f"{INTAKE_LATENESS_P50_MS} ms {met('lateness_p50')}; intake ≤ {INTAKE_CPU_US_PER_BLOCK} µs per "
+            f"block {met('cpu_per_block')}; {max(map(int, pod))} workers ≤ {INTAKE_WORKERS_RATIO}x the "
+            f"intake CPU of 1 ({f['intake_workers_cpu_ratio']}x) {met('workers_cpu_ratio')}; every published "
+            f"block applied, no gaps {met('every_block_applied')}.")
 
 
 def _plot(f: dict[str, Any], path: Path) -> None:
@@ -400,7 +467,7 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.2))
     labels = list(f["policies"])
     xs = range(len(labels))
     left.bar([x - 0.2 for x in xs], [f["policies"][k]["p50_ms"] for k in labels], 0.4, label="p50")
@@ -423,6 +490,19 @@ def _plot(f: dict[str, Any], path: Path) -> None:
     right.set_ylabel("p50 ms per decision (log)")
     right.set_title("decision time vs prompt length")
     right.legend(fontsize=8)
+    it, pod = f["intake"], f["intake_pod"]
+    names = ["local\n1 worker", *(f"pod indexer\n{n} worker{'s' * (n != '1')}" for n in pod)]
+    lateness = [it["busy_lateness_p99_ms"], *(r["busy_lateness_p99_ms"] for r in pod.values())]
+    cpu = [it["intake_cpu_us_per_block"], *(r["intake_cpu_us_per_block"] for r in pod.values())]
+    xs3 = range(len(names))
+    third.bar([x - 0.2 for x in xs3], lateness, 0.4, label="busy lateness p99 (ms)")
+    third.bar([x + 0.2 for x in xs3], cpu, 0.4, label="intake CPU µs per block")
+    third.axhline(INTAKE_LATENESS_P99_MS, color="red", linestyle="--", linewidth=1, label="lateness target")
+    third.axhline(INTAKE_CPU_US_PER_BLOCK, color="purple", linestyle=":", linewidth=1, label="CPU target")
+    third.set_yscale("log")
+    third.set_xticks(list(xs3), names, fontsize=8)
+    third.set_title(f"KV-event intake, {it['engines']} engines")
+    third.legend(fontsize=7)
     save_figure(fig, path)
 
 

@@ -88,6 +88,7 @@ class Stats(msgspec.Struct, tag_field="op", tag="stats"):
     blocks: int                       # blocks indexed over all engines
     feeds: int                        # engines whose KV events it mirrors
     batches: int                      # KV-event batches applied
+    blocks_stored: int                # engine blocks placed by those batches
     gaps: int                         # sequence gaps (lost batches) seen
     replayed: int                     # batches fetched from replay sockets
     started_at: float                 # the indexer process's start (wall clock): a restart shows here

@@ -129,11 +129,10 @@ class KvEventSubscriber:
         if sock is None or self._replaying is not None:
             return
         deadline = time.perf_counter() + self.BATCH_S
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        # ``EVENTS`` rather than recv until ``zmq.Again``: an exception per drain cost more than a batch's
+        # decoding, and reading ``EVENTS`` is what re-arms ZMQ's edge-triggered descriptor.
+        while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
             if self._gap_to_replay(frames):
                 self._held = frames
                 assert self._loop is not None

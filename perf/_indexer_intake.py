@@ -1,0 +1,195 @@
+"""perf.scheduler_latency's intake section with the pod's KV indexer (``scheduling.prefix.indexer: pod``).
+
+The same workload as ``_scheduler_scale.kv_intake`` (a child process publishes vLLM's wire format on one
+PUB socket per engine), but the KV-event feeds and the index live in an indexer process, and 1 or N
+worker processes make the decisions: each asks the indexer before placing (``Scheduler.prefetch``),
+as the app does. A decision's time includes that round trip; its lateness is how long a due decision
+waited for its worker's event loop. The intake's CPU is counted over every process of the pod (the
+indexer and each worker, busy minus idle), per block the indexer applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from coordinator.config import PrefixIndexSettings, SchedulingSettings, Settings
+from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.contracts.indexer import HEAD_SIZE, Stats, Status, decode_reply, frame, frame_size
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
+from coordinator.pipeline.scheduling.request import SchedRequest
+from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, stats_ms
+
+
+def _indexer(address: str, conn: Connection) -> None:
+    """Child: the pod's indexer process, precise source."""
+    from coordinator.indexer.process import serve
+
+    os.environ.pop("COORD_CONFIG", None)
+    settings = Settings(scheduling=SchedulingSettings(prefix=PrefixIndexSettings(source="precise")))
+    asyncio.run(serve(settings, [address], started=conn.send))
+
+
+def status(address: str) -> Stats:
+    """The indexer's ``Stats``, asked on a plain blocking socket (the orchestrator has no event loop)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(address.removeprefix("unix:"))
+        s.sendall(frame(Status(1)))
+        head = _read(s, HEAD_SIZE)
+        reply = decode_reply(_read(s, frame_size(head)))
+    assert isinstance(reply, Stats)
+    return reply
+
+
+def _read(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("the indexer closed the connection")
+        out += chunk
+    return out
+
+
+def _worker(address: str, endpoints: list[str], conn: Connection, workload_cls: Any, tokens: int,
+            decisions: int, interval_s: float, seed: int) -> None:
+    """Child: one coordinator worker's decisions against the indexer, one phase per command."""
+    asyncio.run(_worker_run(address, endpoints, conn, workload_cls, tokens, decisions, interval_s, seed))
+
+
+async def _worker_run(address: str, endpoints: list[str], conn: Connection, workload_cls: Any, tokens: int,
+                      decisions: int, interval_s: float, seed: int) -> None:
+    up = asyncio.Event()
+    remote = RemoteIndex(address, timeout_s=PrefixIndexSettings().indexer.timeout_s,
+                         on_change=lambda now_up: up.set() if now_up else None)
+    remote.start()
+    await up.wait()
+    http = httpx.AsyncClient()
+    sched = bench_scheduler(len(endpoints), "affinity", None, http, seed, remote=remote)
+    for i, endpoint in enumerate(endpoints):  # every worker sends the feeds, as the app's do
+        remote.attach(f"http://engine-{i}:8000", endpoint, MODEL, None)
+    wl = workload_cls(seed, n_systems=16, system_tokens=(2000, 8001), pool_max=64)
+    hseed = chain_seed(MODEL)
+    loop = asyncio.get_running_loop()
+    conn.send("ready")
+    while True:
+        label = await asyncio.to_thread(conn.recv)
+        if label == "stop":
+            break
+        prompts = [wl.next(tokens) for _ in range(decisions)]
+        hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
+        took, late = [], []
+        unanswered = remote.unanswered
+        for k, prompt in enumerate(prompts):
+            due = loop.time() + interval_s
+            await asyncio.sleep(interval_s)
+            began = loop.time()
+            req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256, block_hashes=hashed[k])
+            t0 = time.perf_counter()
+            await sched.prefetch(req)
+            assert sched.place(req) is not None
+            took.append(time.perf_counter() - t0)
+            late.append(max(0.0, began - due))
+            loop.call_soon(sched.flush_learning)
+        conn.send({"took": took, "late": late, "unanswered": remote.unanswered - unanswered})
+    await remote.aclose()
+    await http.aclose()
+
+
+def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
+                  batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
+                  say: Say) -> dict[str, Any]:
+    """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
+    indexer; idle, then busy."""
+    ctx = mp.get_context("spawn")
+    folder = tempfile.mkdtemp(prefix="indexer-bench-")
+    address = f"unix:{Path(folder) / 'indexer.sock'}"
+    pub_parent, pub_child = ctx.Pipe()
+    publisher = ctx.Process(target=_publish, args=(engines, batches_per_s, blocks_per_batch, 4096, pub_child),
+                            daemon=True)
+    publisher.start()
+    endpoints: list[str] = pub_parent.recv()
+    ix_parent, ix_child = ctx.Pipe()
+    indexer = ctx.Process(target=_indexer, args=(address, ix_child), daemon=True)
+    indexer.start()
+    ix_parent.recv()
+    links, procs = [], []
+    for _ in range(workers):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(address, endpoints, child, workload_cls, tokens, decisions,
+                                                 interval_s, seed), daemon=True)
+        proc.start()
+        links.append(parent)
+        procs.append(proc)
+    try:
+        for link in links:
+            assert link.recv() == "ready"
+        time.sleep(1.0)   # ZMQ subscriptions settle before anything is published
+        pod = [psutil.Process(indexer.pid), *(psutil.Process(p.pid) for p in procs)]
+
+        def cpu() -> float:
+            return sum(sum(p.cpu_times()[:2]) for p in pod)
+
+        def phase(label: str) -> dict[str, Any]:
+            first, cpu0, t0 = status(address).blocks_stored, cpu(), time.perf_counter()
+            for link in links:
+                link.send(label)
+            results = [link.recv() for link in links]
+            elapsed = time.perf_counter() - t0
+            applied = status(address).blocks_stored - first
+            took = [t for r in results for t in r["took"]]
+            late = [t for r in results for t in r["late"]]
+            say(f"  {label} ({workers} worker{'s' * (workers > 1)}, indexer process): decision p50 "
+                f"{stats_ms(took)['p50_ms']:.3f} ms, lateness p99 {stats_ms(late)['p99_ms']:.2f} ms, "
+                f"{applied / elapsed:,.0f} blocks/s applied")
+            return {"decision": stats_ms(took), "lateness": stats_ms(late),
+                    "cpu_share": round((cpu() - cpu0) / elapsed, 3),
+                    "blocks_applied_per_s": round(applied / elapsed),
+                    "unanswered": sum(r["unanswered"] for r in results)}
+
+        say(f"kv intake, pod indexer: {engines} engines over ZMQ, {workers} worker(s) x {decisions} "
+            f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms, publishers idle then busy")
+        idle = phase("idle")
+        pub_parent.send("go")
+        sent0 = pub_parent.recv()
+        time.sleep(1.0)   # reach a steady state
+        busy = phase("busy")
+        pub_parent.send("pause")
+        sent1 = pub_parent.recv()
+        time.sleep(0.5)
+        final = status(address)
+        offered = engines * batches_per_s * blocks_per_batch
+        return {"engines": engines, "workers": workers, "prompt_tokens": tokens, "decisions": decisions,
+                "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),
+                "published_blocks": sent1 - sent0, "idle": idle, "busy": busy, "gaps": final.gaps,
+                "applied_blocks": final.blocks_stored,
+                "busy_vs_idle_decision_p50": round(busy["decision"]["p50_ms"]
+                                                   / idle["decision"]["p50_ms"], 2),
+                "busy_lateness_p99_ms": busy["lateness"]["p99_ms"],
+                "busy_lateness_p50_ms": busy["lateness"]["p50_ms"],
+                "intake_cpu_us_per_block": round((busy["cpu_share"] - idle["cpu_share"]) * 1e6
+                                                 / max(1, busy["blocks_applied_per_s"]), 2),
+                "intake_cpu_share": round(busy["cpu_share"] - idle["cpu_share"], 3)}
+    finally:
+        for link in links:
+            link.send("stop")
+        for proc in procs:
+            proc.join(10)
+        if publisher.is_alive():
+            pub_parent.send("stop")
+            pub_parent.recv()
+        publisher.join(10)
+        if indexer.pid is not None and indexer.is_alive():
+            os.kill(indexer.pid, signal.SIGTERM)
+        indexer.join(10)
