@@ -24,7 +24,10 @@ The oracle is *not* an upper bound (it is greedy: longest cached prefix now, bli
 evicts later); the true ceiling of the workload is computed from the schedule: every distinct block
 computed once, an unlimited cache (``ceiling_hit_rate``, in blocks and in tokens).
 ``affinity_unbounded`` (opt-in) is the affinity scores with a plain max-score picker, to show what the
-preset's bounded-load picker changes.
+preset's bounded-load picker changes. ``affinity_workers`` runs the coordinator as a pod of
+``POD_WORKERS`` worker processes (``python -m coordinator``) with the approximate index in the pod's KV
+indexer, which every worker asks and teaches; ``affinity_workers_local`` is the same pod with an index
+per worker (``scheduling.prefix.indexer.mode: local``), each learning only the requests it routed.
 
     python -m perf.kv_affinity [--users 32] [--turns 8] [--think-s 1.6] [--concurrency 16] [--seed 0]
         [--policies round_robin,...,oracle[,affinity_unbounded]] [--quick] [--render-url URL]
@@ -37,6 +40,7 @@ import asyncio
 import itertools
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import threading
@@ -69,12 +73,17 @@ SERVED = "smollm2-135m-instruct"
 ENGINES = 4
 BLOCK_SIZE = 16
 TOKEN_LO, TOKEN_HI = 17, 49152  # SmolLM2's non-special ids: the prompt stays plain token ids
-POLICIES = ("round_robin", "least_load", "affinity_approximate", "affinity_precise", "oracle")
+POLICIES = ("round_robin", "least_load", "affinity_approximate", "affinity_precise", "oracle",
+            "affinity_workers", "affinity_workers_local")
 # Opt-in contrast: affinity scores without the load bound (max-score picker).
 EXTRA_POLICIES = ("affinity_unbounded",)
 # Last-line key prefix of each affinity variant whose targets are checked ("" = the default preset).
 VARIANTS = (("", "affinity_approximate"), ("precise_", "affinity_precise"),
-            ("unbounded_", "affinity_unbounded"))
+            ("unbounded_", "affinity_unbounded"), ("workers_", "affinity_workers"),
+            ("workers_local_", "affinity_workers_local"))
+# The pod variants: ``python -m coordinator`` with this many workers (approximate index), the index in
+# the pod's indexer process (affinity_workers) or in each worker (affinity_workers_local).
+POD_WORKERS = 4
 # Targets from the issue, checked on the affinity policies.
 TARGET_HIT_VS_ORACLE = 0.9
 TARGET_P90_GAIN = 5.0
@@ -306,6 +315,8 @@ def _settings(policy: str, render_url: str, sims: Sequence[EngineHandle], max_mo
         "affinity_precise": ("affinity", "precise"),
         "oracle": ("least_load", "none"),  # scorers and picker replaced below
         "affinity_unbounded": ("affinity", "approximate"),  # picker replaced below
+        "affinity_workers": ("affinity", "approximate"),
+        "affinity_workers_local": ("affinity", "approximate"),
     }[policy]
     return Settings(render=RenderSettings(url=render_url), engines=engines,
                     models=[ModelSettings(name=SERVED, max_model_len=max_model_len)],
@@ -398,9 +409,64 @@ async def _drive(url: str, schedule: Sequence[Turn], closed_loop: bool, concurre
     return samples
 
 
+@contextmanager
+def pod_coordinator(policy: str, render_url: str, sims: Sequence[EngineHandle],
+                    max_model_len: int) -> Iterator[str]:
+    """``python -m coordinator`` with ``POD_WORKERS`` workers on the policy's settings; yields its URL."""
+    import re
+    import sys
+    import tempfile
+
+    import yaml
+
+    from token_engine.process import ManagedProcess
+
+    local = policy == "affinity_workers_local"
+    config = {"render": {"url": render_url}, "engines": [{"url": s.url} for s in sims],
+              "models": [{"name": SERVED, "max_model_len": max_model_len}],
+              "server": {"workers": POD_WORKERS, "host": "127.0.0.1", "log_level": "warning"},
+              "scheduling": {"policy": "affinity", "prefix": {
+                  "source": "approximate", "block_size": BLOCK_SIZE,
+                  "indexer": {"mode": "local" if local else "pod"}}}}
+    folder = Path(tempfile.mkdtemp(prefix="kv-affinity-pod-"))
+    (folder / "pod.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_")}
+    process = ManagedProcess([sys.executable, "-m", "coordinator", "--config", str(folder / "pod.yaml"),
+                              "--port", "0"], env=env, name="pod", log_path=folder / "pod.log", echo=False)
+    process.start()
+    try:
+        line = process.wait_for_line(r"workers on http://127\.0\.0\.1:\d+", timeout=60)
+        match = re.search(r":(\d+)\s*$", line or "")
+        if match is None:
+            raise RuntimeError(f"the pod did not start: {process.tail()}")
+        url = f"http://127.0.0.1:{match.group(1)}"
+        process.wait_http_ready(f"{url}/ready", timeout=120, interval=0.2)
+        yield url
+    finally:
+        process.stop(timeout=20)
+
+
+def _scraped(url: str, name: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+              for s in fam.samples if s.name == name]
+    return sum(values) / len(values) if values else None
+
+
 def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_loop: bool,
                model: EngineModel, concurrency: int, max_tokens: int,
                say: Callable[[str], None]) -> dict[str, Any]:
+    if policy.startswith("affinity_workers"):
+        with engine_process([model.sim_config(i, False) for i in range(ENGINES)]) as sims, \
+                pod_coordinator(policy, render_url, sims, model.max_model_len) as url:
+            t0 = time.monotonic()
+            samples = asyncio.run(_drive(f"{url}/v1/completions", schedule, closed_loop, concurrency,
+                                         max_tokens, say))
+            wall = time.monotonic() - t0
+            states = [httpx.get(f"{s.url}/sim/state", timeout=10).json() for s in sims]
+            index_hit = _scraped(url, "coordinator_prefix_hit_ratio")
+        return _figures(policy, schedule, samples, states, index_hit, wall)
     with ExitStack() as stack:
         sims = stack.enter_context(engine_process(
             [model.sim_config(i, policy == "affinity_precise") for i in range(ENGINES)]))
@@ -423,6 +489,11 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_lo
         coord.wait_idle()
         states = [httpx.get(f"{s.url}/sim/state", timeout=10).json() for s in sims]
         index_hit = coord.components.metrics.registry.get_sample_value("coordinator_prefix_hit_ratio")
+    return _figures(policy, schedule, samples, states, index_hit, wall)
+
+
+def _figures(policy: str, schedule: Sequence[Turn], samples: Sequence[Sample], states: list[dict[str, Any]],
+             index_hit: float | None, wall: float) -> dict[str, Any]:
     caches_ = [st["prefix_cache"] for st in states]
     queries = sum(c["queries"] for c in caches_)
     hits = sum(c["hits"] for c in caches_)

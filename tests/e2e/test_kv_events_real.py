@@ -10,6 +10,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +20,8 @@ from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from tests.conftest import SERVED, VllmStack
+from tests.integration.test_workers import pod
+from tests.support import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -104,3 +107,30 @@ async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, str]) ->
     finally:
         await source.stop_all()
     assert index.blocks(engine.url) == 0
+
+
+def test_the_pods_indexer_mirrors_a_real_engine(vllm_stack: VllmStack, kv_engine: tuple[Any, str],
+                                                 tmp_path: Path) -> None:
+    """Two workers and the pod's KV indexer (precise source) in front of the real engine: a request
+    through the pod leaves its prompt's blocks in the indexer, mirrored from vLLM's own KV events; the
+    workers only told it the endpoint."""
+    engine, endpoint = kv_engine
+    prompt = tokens(99)
+    with pod(tmp_path, vllm_stack.render_url, engine.url,
+             engines=[{"url": engine.url, "kv_events": endpoint}],
+             scheduling={"prefix": {"source": "precise"}}) as p:
+
+        def index() -> dict[str, Any]:
+            state = httpx.get(f"{p.url}/ready", timeout=10).json()["prefix_index"]
+            assert isinstance(state, dict), state
+            return state
+
+        assert wait_until(lambda: index()["feeds"] == 1, timeout=20)
+        before = index()["blocks_stored"]
+        r = httpx.post(f"{p.url}/v1/completions", timeout=120,
+                       json={"model": SERVED, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        # 700 prompt tokens: 5 full engine blocks of 128, each 8 of the index's 16-token blocks.
+        assert wait_until(lambda: index()["blocks_stored"] >= before + 5, timeout=20), index()
+        state = index()
+        assert state["blocks"] >= 40 and state["gaps"] == 0 and state["source"] == "precise"

@@ -1,10 +1,14 @@
 """The pod's KV indexer (``scheduling.prefix.indexer``): one process beside the workers holds the prefix
 index, so a conversation's turns reach the engine that holds it whichever worker routes them; a
 SIGKILLed indexer costs no request (routing falls back to load), is started again, and rebuilds what
-the engines hold from their KV events' replay buffers, with the workers' lines back up."""
+the engines hold from their KV events' replay buffers, with the workers' lines back up. Replicas share
+one indexer service the same way, and route on load while it is gone."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,10 +17,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SERVED
+from tests.conftest import SERVED, CoordinatorFactory
 from tests.integration.test_workers import Pod, pod
-from tests.support import free_port, wait_until
+from tests.support import ROOT, free_port, wait_until
+from token_engine.process import ManagedProcess
 from token_engine.simulator import SimConfig, SimulatedEngine
 
 TURN_TOKENS = 48
@@ -46,6 +52,14 @@ def _served_on(engines: list[SimulatedEngine], ids: list[str]) -> dict[str, str]
         assert len(where) == 1, (rid, received)
         out[rid] = where.pop()
     return out
+
+
+def _metric(url: str, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    raise AssertionError(f"{name} is not on {url}/metrics")
 
 
 def _ready(p: Pod) -> dict[str, Any]:
@@ -164,3 +178,63 @@ def test_the_indexer_process_is_there_unless_the_index_is_local(tmp_path: Path, 
             state = _ready(p)["prefix_index"]
             assert state == "local" if mode == "local" else state["indexer"] == "up"
             assert len(p.spawned()) == processes   # the workers (and the indexer)
+
+
+def _indexer_service(tmp_path: Path, port: int) -> ManagedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_")}
+    process = ManagedProcess([sys.executable, "-m", "coordinator.indexer", "--listen", f"tcp://127.0.0.1:{port}"],
+                             env=env, name="indexer", cwd=ROOT, echo=bool(os.environ.get("LLMC_TEST_ECHO")),
+                             log_path=tmp_path / f"indexer-{time.monotonic_ns()}.log")
+    process.start()
+    assert process.wait_for_line(r"KV indexer listening on", timeout=60) is not None, process.tail()
+    return process
+
+
+def test_replicas_share_one_indexer_service_and_route_on_load_without_it(
+        tmp_path: Path, render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """Two coordinator replicas point at one ``python -m coordinator.indexer``: a conversation whose
+    turns alternate between the replicas stays on one engine. With the service SIGKILLed every request
+    still succeeds (routed on load), /ready and the metrics say why; started again, both replicas are
+    back on it by themselves."""
+    port = free_port()
+    engines = [SimulatedEngine(SimConfig(model=SERVED, seed=i, decode_s_per_token=0.002)).start()
+               for i in range(2)]
+    service = _indexer_service(tmp_path, port)
+    try:
+        line = {"prefix": {"indexer": {"mode": "service", "address": f"tcp://127.0.0.1:{port}"}}}
+        replicas = [coordinator_factory(str(render_sidecar.url), [e.url for e in engines], scheduling=line)
+                    for _ in range(2)]
+
+        def ready(r: Any) -> dict[str, Any]:
+            return httpx.get(f"{r.url}/ready", timeout=10).json()["prefix_index"]
+
+        assert wait_until(lambda: all(ready(r)["indexer"] == "up" for r in replicas), timeout=20)
+
+        def turn(c: int, t: int) -> int:
+            r = replicas[t % 2]   # turns alternate between the replicas
+            return httpx.post(f"{r.url}/v1/completions", timeout=60, headers={"x-request-id": f"conv{c}-turn{t}"},
+                              json={"model": SERVED, "prompt": _prompt(c, t), "max_tokens": 4,
+                                    "ignore_eos": True, "temperature": 0}).status_code
+
+        assert [turn(c, t) for c in range(6) for t in range(1, 5)] == [200] * 24
+        served = _served_on(engines, [f"conv{c}-turn{t}" for c in range(6) for t in range(1, 5)])
+        for c in range(6):
+            assert len({served[f"conv{c}-turn{t}"] for t in range(1, 5)}) == 1, (c, served)
+
+        os.kill(service.pid, signal.SIGKILL)
+        assert service.wait(10) is not None
+        assert wait_until(lambda: all(ready(r)["indexer"] == "down" for r in replicas), timeout=20)
+        assert [turn(c, t) for c in range(6, 9) for t in range(1, 3)] == [200] * 6
+        unanswered = [_metric(r.url, "coordinator_prefix_indexer_unanswered_total") for r in replicas]
+        assert sum(unanswered) == 6, unanswered   # each decision without the index is counted
+        assert [_metric(r.url, "coordinator_prefix_indexer_up") for r in replicas] == [0, 0]
+
+        service = _indexer_service(tmp_path, port)
+        assert wait_until(lambda: all(ready(r)["indexer"] == "up" for r in replicas), timeout=20)
+        assert [turn(9, t) for t in range(1, 5)] == [200] * 4
+        served = _served_on(engines, [f"conv9-turn{t}" for t in range(1, 5)])
+        assert len(set(served.values())) == 1, served
+    finally:
+        service.stop(timeout=10)
+        for e in engines:
+            e.stop()

@@ -1,0 +1,148 @@
+"""The pod's KV indexer and a worker's line to it, in one event loop over a real unix socket: what a
+worker learns is in the next match (its own and another worker's), lessons the indexer has not seen
+yet still count, and a line with nobody at the other end answers None at once or after its timeout,
+never later."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from coordinator.config import PrefixIndexSettings
+from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.contracts.indexer import (
+    MAX_FRAME,
+    Learn,
+    Match,
+    Matched,
+    decode_request,
+    frame,
+    frame_size,
+    parse_address,
+)
+from coordinator.indexer.server import IndexServer
+from coordinator.indexer.service import IndexService
+from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
+from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
+
+SEED = chain_seed("m")
+SHORT = block_hashes(list(range(1000, 1096)), 16, SEED)        # 6 blocks
+LONG = block_hashes(list(range(1000, 1144)), 16, SEED)         # the same 6, then 3 more
+
+
+def test_frames_round_trip_and_bounds() -> None:
+    body = frame(Learn("http://e1", LONG))
+    assert frame_size(body[:4]) == len(body) - 4
+    assert decode_request(body[4:]) == Learn("http://e1", LONG)   # 64-bit hashes travel as they are
+    with pytest.raises(ValueError, match="limit"):
+        frame_size((MAX_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(msgspec.ValidationError):
+        decode_request(msgspec.msgpack.encode({"op": "drop_everything"}))
+    assert parse_address("unix:/run/x.sock") == ("unix", "/run/x.sock", 0)
+    assert parse_address("tcp://indexer:5590") == ("tcp", "indexer", 5590)
+    with pytest.raises(ValueError):
+        parse_address("http://indexer:5590")
+
+
+@contextlib.asynccontextmanager
+async def indexer(tmp_path: Path) -> AsyncIterator[tuple[IndexServer, str]]:
+    """An indexer served on this test's own loop."""
+    address = f"unix:{tmp_path / 'indexer.sock'}"
+    server = IndexServer(IndexService(PrefixIndexSettings()), [address])
+    await server.start()
+    try:
+        yield server, address
+    finally:
+        await server.stop()
+
+
+async def _line(address: str, timeout_s: float = 1.0) -> RemoteIndex:
+    up = asyncio.Event()
+    line = RemoteIndex(address, timeout_s=timeout_s, on_change=lambda now: up.set() if now else None)
+    line.start()
+    await asyncio.wait_for(up.wait(), 10)
+    return line
+
+
+async def test_every_workers_lessons_reach_every_worker(tmp_path: Path) -> None:
+    async with indexer(tmp_path) as (_, address):
+        await _every_workers_lessons(address)
+
+
+async def _every_workers_lessons(address: str) -> None:
+    lines = [await _line(address) for _ in range(2)]
+    a, b = (PrefixMemory(None, None, learn=False, remote=line) for line in lines)
+    try:
+        a.learn("http://e1", SHORT)
+        a.flush()                                  # sent, before b asks
+        await asyncio.sleep(0.05)
+        view = await b.view(LONG)
+        assert view is not None and view.matched == {"http://e1": 6} and "http://e1" in view.continuing
+        assert b.lookup(LONG, view) == ({"http://e1": 6}, frozenset({"http://e1"}))
+
+        # A lesson of b's own that the indexer had not received when b asked still counts.
+        view = await b.view(LONG)
+        b.learn("http://e2", LONG)
+        b.flush()
+        matched, _ = b.lookup(LONG, view)
+        assert matched == {"http://e1": 6, "http://e2": 9}
+
+        a.forget("http://e1")                      # an engine left: gone for everyone
+        await asyncio.sleep(0.05)
+        view = await b.view(LONG)
+        assert view is not None and "http://e1" not in view.matched
+        stats = await lines[0].status()
+        assert stats is not None and stats.source == "approximate" and stats.engines == 1
+    finally:
+        for line in lines:
+            await line.aclose()
+
+
+async def test_no_indexer_no_wait(tmp_path: Path) -> None:
+    """Nobody listening: a match answers None at once, and the memory falls back to its own lessons."""
+    line = RemoteIndex(f"unix:{tmp_path / 'nobody.sock'}", timeout_s=5.0)
+    line.start()
+    memory = PrefixMemory(None, None, learn=False, remote=line)
+    try:
+        began = time.monotonic()
+        assert await memory.view(LONG) is None
+        assert time.monotonic() - began < 1.0 and line.unanswered == 1
+        memory.learn("http://e1", SHORT)
+        memory.flush()
+        assert memory.lookup(LONG, None)[0] == {"http://e1": 6}   # its own recent decisions still count
+        assert line.last_error is not None
+    finally:
+        await line.aclose()
+
+
+async def test_a_silent_indexer_costs_at_most_the_timeout(tmp_path: Path) -> None:
+    """An indexer that accepts but never answers (stalled): the match gives up after ``timeout_s``."""
+    path = tmp_path / "silent.sock"
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+
+    silent = await asyncio.start_unix_server(hold, path=str(path))
+    line = await _line(f"unix:{path}", timeout_s=0.2)
+    try:
+        began = time.monotonic()
+        assert await line.match(LONG) is None
+        waited = time.monotonic() - began
+        assert 0.2 <= waited < 2.0 and line.unanswered == 1
+    finally:
+        await line.aclose()
+        silent.close()
+
+
+async def test_the_service_answers_a_match_with_its_id() -> None:
+    service = IndexService(PrefixIndexSettings())
+    await service.handle(Learn("http://e1", SHORT))
+    reply = await service.handle(Match(7, LONG))
+    assert isinstance(reply, Matched) and reply.id == 7
+    assert [(m.engine, m.blocks, m.continues) for m in reply.engines] == [("http://e1", 6, True)]
