@@ -219,8 +219,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         engines=lambda: registry.engines)
     limiter = build_limiter(settings, metrics)
     prefix = settings.scheduling.prefix
-    profile = build_profile(settings.scheduling, ledger.engine_room, settings.lora.replicate_inflight,
-                            workers=settings.server.workers)
+    profile = build_profile(settings.scheduling, ledger.engine_room, settings.lora.replicate_inflight)
     precise: PreciseIndexSource | None = None
     remote: RemoteIndex | None = None
     where = settings.indexer_mode()

@@ -502,8 +502,7 @@ class BoundedLoadSettings(_Section):
     ``max(factor x fair share, fair share + slack)`` of the decisions of the last ``window_s``."""
 
     factor: float = Field(default=1.25, ge=1.0, description="multiple of the fair share an engine may take")
-    slack: float = Field(default=8.0, ge=0, description="extra decisions allowed above the fair share (the "
-                         "pod's: with server.workers N, each worker allows slack / N)")
+    slack: float = Field(default=8.0, ge=0, description="extra decisions allowed above the fair share")
     window_s: float = Field(default=30.0, gt=0, description="the decisions of this long count towards shares")
 
 

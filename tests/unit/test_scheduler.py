@@ -290,27 +290,6 @@ def test_bounded_load_spreads_pinned_prefixes() -> None:
                for i in range(20))
 
 
-def test_workers_split_the_pods_slack() -> None:
-    """Four workers each see a quarter of the decisions; with the pod's slack each, together they would
-    let an engine take 4 x slack decisions over its fair share. Each allows slack / 4: one worker's
-    40 decisions on one hot prefix stay within max(1.25 x fair, fair + 2) per engine."""
-    settings = Settings(engines=[EngineSettings(**e) for e in urls(4)],
-                        scheduling=SchedulingSettings(bounded_load={"factor": 1.25, "slack": 8,
-                                                                    "window_s": 30}))
-    alone, pod = (build_profile(settings.scheduling, TokenLedger(None).engine_room, workers=n).picker
-                  for n in (1, 4))
-    for picker, slack in ((alone, 8.0), (pod, 2.0)):
-        sched, *_ = make(urls(4))
-        sched.profile.picker = picker
-        counts: dict[str, int] = {}
-        for i in range(40):
-            placement = sched.place(req(PROMPT + [i] * 32))
-            assert placement is not None
-            counts[placement.engine.url] = counts.get(placement.engine.url, 0) + 1
-        assert max(counts.values()) <= max(1.25 * 10, 10 + slack)
-        assert max(counts.values()) > 12.5 or slack == 2.0   # the pod's whole slack lets one engine past 1.25x
-
-
 def bounded_pair(window_s: float = 10) -> tuple[Scheduler, PrefixIndex, list[float]]:
     now = [0.0]
     sched, _reg, index, _ = make(urls(2), learn=False, bounded_load={"factor": 1.0, "slack": 0, "window_s": window_s})

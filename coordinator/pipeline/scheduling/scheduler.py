@@ -57,12 +57,8 @@ class Profile:
 
 
 def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int], bool],
-                  replicate_inflight: int = 8, workers: int = 1) -> Profile:
-    """``replicate_inflight``: the lora scorer's spreading point (``lora.replicate_inflight``).
-    ``workers``: processes of the pod routing side by side (``server.workers``), each seeing about
-    1/workers of the decisions: the bounded-load picker's slack is the pod's, split between them, as
-    budgets are; otherwise every worker's slack adds up (4 workers: 4 x 8 decisions over the fair
-    share), and one engine took 1.5x its share in perf.kv_affinity."""
+                  replicate_inflight: int = 8) -> Profile:
+    """``replicate_inflight``: the lora scorer's spreading point (``lora.replicate_inflight``)."""
     named: list[tuple[str, float]]
     picker_name: str
     if settings.policy == "custom":
@@ -77,7 +73,7 @@ def build_profile(settings: SchedulingSettings, room: Callable[[EngineView, int]
     picker: Picker
     if picker_name == "bounded_load":
         b = settings.bounded_load
-        picker = BoundedLoadPicker(b.factor, b.slack / workers, b.window_s)
+        picker = BoundedLoadPicker(b.factor, b.slack, b.window_s)
     else:
         picker = PICKERS[picker_name]()
     return Profile(settings.policy, filters, scorers, picker)
