@@ -122,7 +122,33 @@ def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered:
     roles = {name: [d.role for d in m.load_fleet(objs).settings.discovery]  # type: ignore[union-attr]
              for name, objs in rendered.items()}
     assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "epd": ["union", "encode"],
-                     "cpu": ["union"], "fleet": ["union"], "fleet-external-redis": ["union"]}
+                     "cpu": ["union"], "fleet": ["union"], "fleet-external-redis": ["union"],
+                     "shared-indexer": ["union"]}
+
+
+def test_shared_indexer_overlay_points_every_replica_at_one_indexer(rendered: dict[str, list[Obj]]) -> None:
+    """The replicas' indexer address names the indexer's Service, whose port reaches the port the
+    indexer listens on; one indexer (two would each learn half of the fleet), on the coordinators'
+    config."""
+    objs = rendered["shared-indexer"]
+    env = {e["name"]: e.get("value") for e in coordinator(objs)["env"]}
+    assert env["COORD_SCHEDULING__PREFIX__INDEXER__MODE"] == "service"
+    address = env["COORD_SCHEDULING__PREFIX__INDEXER__ADDRESS"]
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    service = obj(objs, "Service", "llm-kv-indexer")
+    assert host == f"llm-kv-indexer.{service['metadata']['namespace']}.svc.cluster.local"
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["port"] == int(port)
+    deployment = obj(objs, "Deployment", "llm-kv-indexer")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    (indexer,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert indexer["command"] == ["python", "-m", "coordinator.indexer"]
+    listen = indexer["args"][indexer["args"].index("--listen") + 1]
+    ports = {p["name"]: p["containerPort"] for p in indexer["ports"]}
+    assert listen == f"tcp://0.0.0.0:{ports[service_port['targetPort']]}"
+    config = deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
+    assert config in {v["configMap"]["name"] for v in pod(objs, "Deployment", "llm-coordinator")["volumes"]
+                      if "configMap" in v}
 
 
 def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
