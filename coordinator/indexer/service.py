@@ -74,7 +74,8 @@ class IndexService:
         return Stats(request_id, self.source, engines=sum(1 for e in engines if self.index.blocks(e)),
                      blocks=sum(self.index.blocks(e) for e in engines), feeds=len(subs),
                      batches=sum(s.mirror.stats.batches for s in subs),
-                     blocks_stored=sum(s.mirror.stats.blocks_stored for s in subs), gaps=sum(s.gaps for s in subs),
+                     blocks_stored=sum(s.mirror.stats.blocks_stored for s in subs),
+                     gaps=sum(s.gaps for s in subs),
                      replayed=sum(s.replayed for s in subs), started_at=self.started_at,
                      pid=os.getpid())
 
