@@ -64,7 +64,7 @@ class IndexServer:
                 except msgspec.MsgspecError as exc:
                     log.warning("KV indexer: dropping an undecodable message from %s: %s", peer, exc)
                     continue
-                reply = await self.service.handle(message)
+                reply = await self.service.handle(message, task)
                 if reply is not None:
                     writer.write(frame(reply))
                     if writer.transport.get_write_buffer_size() > 1 << 20:
@@ -76,3 +76,4 @@ class IndexServer:
         finally:
             self._connections.discard(task)
             writer.close()
+            self.service.gone(task)

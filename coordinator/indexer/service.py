@@ -44,12 +44,15 @@ class IndexService:
             self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
             self.memory = PrefixMemory(self.index, None, learn=True)
         self._models: dict[str, str] = {}
+        # engine → the connections (workers, replicas) that asked for its feed: one worker's detach
+        # (its own admin call, a discovery lag) must not stop the feed the others still route on.
+        self._holders: dict[str, set[object]] = {}
 
     def _model_of(self, engine: str) -> str:
         return self._models.get(engine, "")
 
-    async def handle(self, message: Request) -> Reply | None:
-        """The answer to ``message`` (None for the ones that have none)."""
+    async def handle(self, message: Request, peer: object = None) -> Reply | None:
+        """The answer to ``message`` from connection ``peer`` (None for the ones that have none)."""
         if isinstance(message, Match):
             matched, continuing = self.memory.lookup(message.hashes)
             return Matched(message.id, [EngineMatch(e, n, e in continuing) for e, n in matched.items()])
@@ -57,16 +60,33 @@ class IndexService:
             self.memory.learn(message.engine, message.hashes)
         elif isinstance(message, Attach):
             if self.feeds is not None:
+                self._holders.setdefault(message.engine, set()).add(peer)
                 self._models[message.engine] = message.model
                 await self.feeds.attach(message.engine, message.endpoint, message.model, message.replay)
         elif isinstance(message, Detach):
-            if self.feeds is not None:
-                await self.feeds.detach(message.engine)
+            await self._release(message.engine, peer)
         elif isinstance(message, Forget):
             self.memory.forget(message.engine)
         elif isinstance(message, Status):
             return self.stats(message.id)
         return None
+
+    async def _release(self, engine: str, peer: object) -> None:
+        holders = self._holders.get(engine)
+        if holders is None:
+            return
+        holders.discard(peer)
+        if not holders:
+            del self._holders[engine]
+            if self.feeds is not None:
+                await self.feeds.detach(engine)
+
+    def gone(self, peer: object) -> None:
+        """Connection ``peer`` closed. Its feeds go on even if no one else holds them: a worker that died
+        (or restarts) sent no detach, and its successor attaches the same engines again; until then
+        the index stays current. A later detach from anyone stops an orphaned feed."""
+        for holders in self._holders.values():
+            holders.discard(peer)
 
     def stats(self, request_id: int = 0) -> Stats:
         subs = list(self.feeds.subscribers.values()) if self.feeds is not None else []

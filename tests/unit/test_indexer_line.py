@@ -18,6 +18,8 @@ from coordinator.config import PrefixIndexSettings
 from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.contracts.indexer import (
     MAX_FRAME,
+    Attach,
+    Detach,
     Learn,
     Match,
     Matched,
@@ -146,3 +148,27 @@ async def test_the_service_answers_a_match_with_its_id() -> None:
     reply = await service.handle(Match(7, LONG))
     assert isinstance(reply, Matched) and reply.id == 7
     assert [(m.engine, m.blocks, m.continues) for m in reply.engines] == [("http://e1", 6, True)]
+
+
+async def test_a_feed_stops_only_when_no_worker_wants_it() -> None:
+    """Precise source: two workers asked for an engine's feed; one worker's detach (its own admin call,
+    a discovery lag) leaves it running for the other. A worker that died sent no detach: its feeds go
+    on for its successor, and a later detach stops such an orphan."""
+    service = IndexService(PrefixIndexSettings(source="precise"))
+    assert service.feeds is not None
+    attach = Attach("http://e1:8000", "tcp://127.0.0.1:9", "m", None)   # nobody publishes there: fine
+    try:
+        await service.handle(attach, "worker-0")
+        await service.handle(attach, "worker-1")
+        await service.handle(Detach("http://e1:8000"), "worker-0")
+        assert "http://e1:8000" in service.feeds.subscribers
+        await service.handle(Detach("http://e1:8000"), "worker-1")
+        assert "http://e1:8000" not in service.feeds.subscribers
+
+        await service.handle(attach, "worker-2")
+        service.gone("worker-2")                          # died without a word
+        assert "http://e1:8000" in service.feeds.subscribers
+        await service.handle(Detach("http://e1:8000"), "worker-3")
+        assert "http://e1:8000" not in service.feeds.subscribers
+    finally:
+        await service.aclose()
