@@ -28,8 +28,7 @@ from coordinator.config import PrefixIndexSettings, SchedulingSettings, Settings
 from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.contracts.indexer import HEAD_SIZE, Stats, Status, decode_reply, frame, frame_size
 from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
-from coordinator.pipeline.scheduling.request import SchedRequest
-from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, stats_ms
+from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, stats_ms, timed_decisions
 
 
 def _indexer(address: str, conn: Connection) -> None:
@@ -81,7 +80,6 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
         remote.attach(f"http://engine-{i}:8000", endpoint, MODEL, None)
     wl = workload_cls(seed, n_systems=16, system_tokens=(2000, 8001), pool_max=64)
     hseed = chain_seed(MODEL)
-    loop = asyncio.get_running_loop()
     conn.send("ready")
     while True:
         label = await asyncio.to_thread(conn.recv)
@@ -89,19 +87,8 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
             break
         prompts = [wl.next(tokens) for _ in range(decisions)]
         hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
-        took, late = [], []
         unanswered = remote.unanswered
-        for k, prompt in enumerate(prompts):
-            due = loop.time() + interval_s
-            await asyncio.sleep(interval_s)
-            began = loop.time()
-            req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256, block_hashes=hashed[k])
-            t0 = time.perf_counter()
-            await sched.prefetch(req)
-            assert sched.place(req) is not None
-            took.append(time.perf_counter() - t0)
-            late.append(max(0.0, began - due))
-            loop.call_soon(sched.flush_learning)
+        took, late = await timed_decisions(sched, prompts, hashed, interval_s, label)
         conn.send({"took": took, "late": late, "unanswered": remote.unanswered - unanswered})
     await remote.aclose()
     await http.aclose()

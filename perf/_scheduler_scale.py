@@ -208,6 +208,28 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
     ctx.term()
 
 
+async def timed_decisions(sched: Scheduler, prompts: list[list[int]], hashed: list[list[int]],
+                          interval_s: float, label: str) -> tuple[list[float], list[float]]:
+    """One decision per prompt, each ``interval_s`` after the last one ended: its time (with the pod
+    indexer's round trip when the scheduler asks one, ``prefetch``) and its lateness, how long it
+    waited for the event loop once due (the intake's batches, the previous decision's learning)."""
+    loop = asyncio.get_running_loop()
+    took: list[float] = []
+    late: list[float] = []
+    for k, prompt in enumerate(prompts):
+        due = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        began = loop.time()
+        req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256, block_hashes=hashed[k])
+        t0 = time.perf_counter()
+        await sched.prefetch(req)
+        assert sched.place(req) is not None
+        took.append(time.perf_counter() - t0)
+        late.append(max(0.0, began - due))
+        loop.call_soon(sched.flush_learning)
+    return took, late
+
+
 def kv_intake(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
               batches_per_s: float, blocks_per_batch: int, seed: int, say: Say) -> dict[str, Any]:
     """Decisions on the event loop while ``engines`` publishers stream KV events into the index."""
@@ -247,24 +269,11 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
         return sum(s.mirror.stats.blocks_stored for s in source.subscribers.values())
 
     async def phase(label: str) -> dict[str, Any]:
-        took: list[float] = []
-        late: list[float] = []
         # Made before, with their hashes (render sends them): not on the loop's clock.
         prompts = [wl.next(tokens) for _ in range(decisions)]
         hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
         first, start, cpu0 = stored(), loop.time(), time.process_time()
-        for k, prompt in enumerate(prompts):
-            # Lateness: how long a decision that is due waits for the loop (the intake's batches,
-            # the previous decision's learning); each waits ``interval_s`` after the last one ended.
-            due = loop.time() + interval_s
-            await asyncio.sleep(interval_s)
-            began = loop.time()
-            req = SchedRequest(f"{label}-{k}", MODEL, prompt, 256, block_hashes=hashed[k])
-            t0 = time.perf_counter()
-            assert sched.place(req) is not None
-            took.append(time.perf_counter() - t0)
-            late.append(max(0.0, began - due))
-            loop.call_soon(sched.flush_learning)
+        took, late = await timed_decisions(sched, prompts, hashed, interval_s, label)
         elapsed = loop.time() - start
         cpu = (time.process_time() - cpu0) / elapsed   # share of a core this process used
         applied = stored() - first
