@@ -116,11 +116,8 @@ class Components:
                 if e.kv_events:
                     await self.precise.attach(e.url, e.kv_events, replay=e.kv_events_replay)
         if self.indexer is not None:
-            if self.settings.scheduling.prefix.source == "precise":
-                for e in self.registry.engines:
-                    if e.kv_events:
-                        self.indexer.attach(e.url, e.kv_events, _engine_model(self.settings, self.registry,
-                                                                               e.url), e.kv_events_replay)
+            for e in self.registry.engines:
+                _feed(self.indexer, self.settings, self.registry, e)
             self.indexer.start()
         await self.registry.start()
         if self.derenderer is not None:
@@ -266,12 +263,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                 background(precise.detach(engine.url))
             if remote is not None:
                 remote.detach(engine.url)
-        elif remote is not None and prefix.source == "precise":
-            if engine.kv_events:
-                remote.attach(engine.url, engine.kv_events, _engine_model(settings, registry, engine.url),
-                              engine.kv_events_replay)
-            else:
-                remote.detach(engine.url)
+        elif remote is not None:
+            _feed(remote, settings, registry, engine)
         elif precise is not None:
             if engine.kv_events:
                 background(precise.attach(engine.url, engine.kv_events, replay=engine.kv_events_replay))
@@ -318,6 +311,17 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                       tenants=tenants, limiter=limiter, lora=loader,
                       responses=ResponseChain(open_store(settings.responses.store, metrics.store_call)),
                       measure=render.measure if settings.render.enable else None)
+
+
+def _feed(indexer: RemoteIndex, settings: Settings, registry: EngineRegistry, engine: Engine) -> None:
+    """Tell the pod's indexer to mirror ``engine``'s KV events (precise source), or to stop."""
+    if settings.scheduling.prefix.source != "precise":
+        return
+    if engine.kv_events:
+        indexer.attach(engine.url, engine.kv_events, _engine_model(settings, registry, engine.url),
+                       engine.kv_events_replay)
+    else:
+        indexer.detach(engine.url)
 
 
 def _engine_model(settings: Settings, registry: EngineRegistry, url: str) -> str:
