@@ -228,7 +228,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         remote = RemoteIndex(prefix.indexer.address or "", timeout_s=prefix.indexer.timeout_s,
                              on_change=metrics.indexer_up.set)
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
-                              metrics=metrics, learn=False, index=None, defer=soon, remote=remote)
+                              metrics=metrics, learn=False, index=None, defer=soon, remote=remote,
+                              tier_weights=prefix.tiers if prefix.source == "precise" else None)
     elif prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=True, defer=soon,
@@ -237,12 +238,14 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
         # Fed by the engines' KV events (the capacity only bounds what lost events could leave behind);
         # routing feeds only the pending layer.
         index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
+        tiers = {tier: PrefixIndex(capacity_blocks=prefix.capacity_blocks) for tier in prefix.tiers}
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=False, index=index, defer=soon,
                               pending=PrefixIndex(capacity_blocks=prefix.capacity_blocks,
-                                                  ttl_s=prefix.pending_ttl_s))
+                                                  ttl_s=prefix.pending_ttl_s),
+                              tiers=tiers, tier_weights=prefix.tiers)
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
-                                     prefix.block_size)
+                                     prefix.block_size, tiers=tiers)
     else:
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=False, index=None)

@@ -494,7 +494,27 @@ class PrefixIndexSettings(_Section):
         default=True, description="blocks of a prompt with images are hashed with the images' hashes, as "
         "vLLM keys them (docs/multimodal.md); false: by their token ids only, like a media-blind router "
         "(the baseline of perf.multimodal), which takes every image for every other")
+    tiers: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.5, "STORAGE": 0.25},
+        description="precise: offload tiers (vLLM's KV events' `medium`) indexed beside the engines' own "
+        "cache, each with the weight a block held only there scores against a block in the engine's "
+        "cache (1): it must be loaded back, not recomputed (docs/scheduling.md, \"Offload tiers\"); "
+        "{} ignores them")
     indexer: IndexerSettings = Field(default_factory=IndexerSettings)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_names(cls, tiers: dict[str, float]) -> dict[str, float]:
+        out = {}
+        for name, weight in tiers.items():
+            key = name.upper()
+            if key in ("", "GPU"):
+                raise ValueError(f"{name!r} is the engine's own cache, not an offload tier")
+            if not 0.0 <= weight <= 1.0:
+                raise ValueError(f"the weight of tier {name!r} must be within [0, 1], got {weight}")
+            if weight > 0:
+                out[key] = weight
+        return out
 
 
 class BoundedLoadSettings(_Section):

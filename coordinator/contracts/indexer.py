@@ -72,6 +72,7 @@ class EngineMatch(msgspec.Struct, array_like=True):
     engine: str
     blocks: int        # leading blocks of the chain the engine holds
     continues: bool    # the match ends at a leaf or covers the chain: the request extends its own chain
+    tiers: dict[str, int] = {}  # offload tier → leading blocks held there (0 ``blocks``: only there)
 
 
 class Matched(msgspec.Struct, tag_field="op", tag="matched"):
@@ -93,6 +94,7 @@ class Stats(msgspec.Struct, tag_field="op", tag="stats"):
     replayed: int                     # batches fetched from replay sockets
     started_at: float                 # the indexer process's start (wall clock): a restart shows here
     pid: int                          # the indexer's process id
+    tier_blocks: dict[str, int] = {}  # blocks indexed per offload tier, over all engines
 
 
 Reply = Matched | Stats

@@ -37,9 +37,11 @@ class IndexService:
         if prefix.source == "precise":
             self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
             pending = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.pending_ttl_s)
-            self.memory = PrefixMemory(self.index, pending, learn=False)
+            tiers = {tier: PrefixIndex(capacity_blocks=prefix.capacity_blocks) for tier in prefix.tiers}
+            self.memory = PrefixMemory(self.index, pending, learn=False, tiers=tiers)
             # A fresh indexer (a restart) first replays what each engine still buffers.
-            self.feeds = PreciseIndexSource(self.index, self._model_of, prefix.block_size, bootstrap=True)
+            self.feeds = PreciseIndexSource(self.index, self._model_of, prefix.block_size, bootstrap=True,
+                                            tiers=tiers)
         else:
             self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
             self.memory = PrefixMemory(self.index, None, learn=True)
@@ -55,7 +57,9 @@ class IndexService:
         """The answer to ``message`` from connection ``peer`` (None for the ones that have none)."""
         if isinstance(message, Match):
             matched, continuing = self.memory.lookup(message.hashes)
-            return Matched(message.id, [EngineMatch(e, n, e in continuing) for e, n in matched.items()])
+            tiers = self.memory.tier_runs(message.hashes)
+            return Matched(message.id, [EngineMatch(e, matched.get(e, 0), e in continuing, tiers.get(e, {}))
+                                        for e in matched.keys() | tiers.keys()])
         if isinstance(message, Learn):
             self.memory.learn(message.engine, message.hashes)
         elif isinstance(message, Attach):
@@ -97,7 +101,9 @@ class IndexService:
                      blocks_stored=sum(s.mirror.stats.blocks_stored for s in subs),
                      gaps=sum(s.gaps for s in subs),
                      replayed=sum(s.replayed for s in subs), started_at=self.started_at,
-                     pid=os.getpid())
+                     pid=os.getpid(),
+                     tier_blocks={tier: sum(map(ix.blocks, ix.engines()))
+                                  for tier, ix in self.memory.tiers.items()})
 
     async def aclose(self) -> None:
         if self.feeds is not None:

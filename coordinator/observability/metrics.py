@@ -7,6 +7,7 @@ own registry instead (``build_app(settings, metrics_registry=...)``); the collec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -123,8 +124,9 @@ class Metrics:
         self.indexer_unanswered = Counter("coordinator_prefix_indexer_unanswered", "Routing decisions made "
                                           "without the KV indexer's match (it was down or answered later "
                                           "than scheduling.prefix.indexer.timeout_s)", registry=r)
-        self.index_blocks = Gauge("coordinator_prefix_index_blocks", "Blocks the prefix index (or its "
-                                  "pending layer) holds per engine", ["index", "engine"], registry=r)
+        self.index_blocks = Gauge("coordinator_prefix_index_blocks", "Blocks the prefix index (index), "
+                                  "its pending layer (pending) or an offload tier's index (tier_cpu, "
+                                  "tier_storage) holds per engine", ["index", "engine"], registry=r)
         self.index_capacity = Gauge("coordinator_prefix_index_capacity_blocks", "The most blocks the index "
                                     "keeps per engine (LRU; 0: unbounded)", ["index"], registry=r)
         self.index_bytes = Gauge("coordinator_prefix_index_bytes", "Estimated memory of the whole index "
@@ -198,9 +200,13 @@ class Metrics:
     def engine_abort(self, accepted: bool) -> None:
         self.engine_aborts.labels("accepted" if accepted else "refused").inc()
 
-    def prefix_index(self, name: str, index: IndexSize) -> None:
-        """The index's size now (at scrape time; engines that left keep no series)."""
+    def prefix_indexes(self, indexes: Sequence[tuple[str, IndexSize]]) -> None:
+        """The indexes' sizes now (at scrape time; engines that left keep no series)."""
         self.index_blocks.clear()
+        for name, index in indexes:
+            self.prefix_index(name, index)
+
+    def prefix_index(self, name: str, index: IndexSize) -> None:
         for engine in index.engines():
             self.index_blocks.labels(name, engine).set(index.blocks(engine))
         self.index_capacity.labels(name).set(index.capacity_blocks or 0)

@@ -168,3 +168,35 @@ async def test_a_feed_stops_only_when_no_worker_wants_it() -> None:
         assert "http://e1:8000" not in service.feeds.subscribers
     finally:
         await service.aclose()
+
+
+async def test_offloaded_prefixes_reach_the_worker_with_their_tier(tmp_path: Path) -> None:
+    """The pod's indexer mirrors an engine's CPU-tier KV events (vLLM's encoding) in its tier index and
+    answers a match with them; the worker weighs them with its own ``tiers`` weights."""
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+
+    address = f"unix:{tmp_path / 'indexer.sock'}"
+    service = IndexService(PrefixIndexSettings(source="precise"))
+    server = IndexServer(service, [address])
+    await server.start()
+    tokens = list(range(1000, 1144))                              # LONG's 9 blocks
+    mirror = KvEventMirror(service.index, "http://e1", "m", 16, tiers=service.memory.tiers)
+    engine_hashes = [i.to_bytes(32, "big") for i in range(1, 10)]
+    assert mirror.apply_payload(msgspec.msgpack.encode(kv.KVEventBatch(ts=time.time(), events=[
+        kv.BlockStored(block_hashes=engine_hashes[:6], parent_block_hash=None, token_ids=tokens[:96],
+                       block_size=16, lora_id=None, medium="GPU", lora_name=None),
+        kv.BlockStored(block_hashes=engine_hashes, parent_block_hash=None, token_ids=tokens,
+                       block_size=16, lora_id=None, medium="CPU", lora_name=None)])))
+    line = await _line(address)
+    memory = PrefixMemory(None, None, learn=False, remote=line, tier_weights={"CPU": 0.5})
+    try:
+        view = await memory.view(LONG)
+        assert view is not None and view.tiers == {"http://e1": {"CPU": 9}}
+        matched, _ = memory.lookup(LONG, view)
+        assert matched == {"http://e1": 6}
+        assert memory.offloaded(LONG, matched, view) == {"http://e1": 0.5 * 3}
+        assert (await line.status()).tier_blocks == {"CPU": 9, "STORAGE": 0}
+    finally:
+        await line.aclose()
+        await server.stop()

@@ -155,7 +155,8 @@ def test_unknown_parent_is_skipped_and_counted(index: PrefixIndex, mirror: KvEve
     assert mirror.stats.blocks_removed == 0
 
 
-def test_offload_tier_events_are_ignored(index: PrefixIndex, mirror: KvEventMirror) -> None:
+def test_offload_tier_events_are_ignored_without_a_tier_index(index: PrefixIndex,
+                                                                mirror: KvEventMirror) -> None:
     toks, hs = run_of(PROMPT, BS)
     mirror.apply_payload(payload(stored(toks, hs, medium="CPU")))
     assert index.blocks(ENGINE) == 0
@@ -164,6 +165,48 @@ def test_offload_tier_events_are_ignored(index: PrefixIndex, mirror: KvEventMirr
     mirror.apply_payload(payload(removed(hs, medium="CPU")))  # the offload copy left; ours did not
     assert index.match(ours(PROMPT)) == {ENGINE: 18}
     assert mirror.stats.other_medium == 2
+
+
+def test_offload_tiers_have_indexes_of_their_own(index: PrefixIndex) -> None:
+    """vLLM's offloading connector reports a CPU copy of the same engine blocks (same hashes, its own
+    parent and tokens): it lands in the CPU tier's index, continues runs the GPU reported, and leaves
+    the GPU's index alone when either copy is evicted."""
+    cpu, storage = PrefixIndex(), PrefixIndex()
+    mirror = KvEventMirror(index, ENGINE, MODEL, BS, tiers={"CPU": cpu, "STORAGE": storage})
+    toks, hs = run_of(PROMPT, BS)  # 18 blocks
+    mirror.apply_payload(payload(stored(toks[:6 * BS], hs[:6])))                         # GPU: 6
+    mirror.apply_payload(payload(stored(toks[:6 * BS], hs[:6], medium="CPU"),              # CPU: 18,
+                                 stored(toks[6 * BS:], hs[6:], parent=hs[5], medium="cpu")))  # any case
+    assert index.match(ours(PROMPT)) == {ENGINE: 6}
+    assert cpu.match(ours(PROMPT)) == {ENGINE: 18}
+    assert storage.match(ours(PROMPT)) == {}
+    # A storage run whose parent only the GPU and CPU reported: re-hashed from that parent.
+    longer = PROMPT + OTHER[:4 * BS]
+    ltoks, lhs = run_of(longer, BS, start=18, tag="l")
+    mirror.apply_payload(payload(stored(ltoks, lhs, parent=hs[17], medium="STORAGE")))
+    assert storage.match(ours(longer)) == {} and storage.blocks(ENGINE) == 4  # not a leading run there
+    assert mirror.stats.tier_blocks_stored == 22 and mirror.stats.blocks_stored == 6
+
+    mirror.apply_payload(payload(removed(hs[3:6])))                # the GPU evicts; the CPU copy stays
+    assert index.match(ours(PROMPT)) == {ENGINE: 3}
+    assert cpu.match(ours(PROMPT)) == {ENGINE: 18}
+    mirror.apply_payload(payload(removed(hs[12:], medium="CPU")))  # the CPU tier evicts its tail
+    assert cpu.match(ours(PROMPT)) == {ENGINE: 12}
+    assert index.match(ours(PROMPT)) == {ENGINE: 3}
+
+    mirror.apply_payload(payload(kv.AllBlocksCleared()))           # a reset empties every medium
+    assert index.blocks(ENGINE) == cpu.blocks(ENGINE) == storage.blocks(ENGINE) == 0
+
+
+def test_offload_placeholders_without_tokens_are_counted_not_indexed(index: PrefixIndex,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Without ``self_describing_kv_events`` vLLM's offloading connector publishes each chunk's hash
+    with no tokens and block size 0: nothing to re-hash, and not a misconfiguration to warn about."""
+    cpu = PrefixIndex()
+    mirror = KvEventMirror(index, ENGINE, MODEL, BS, tiers={"CPU": cpu})
+    mirror.apply_payload(payload(stored([], [eh(PROMPT)], block_size=0, medium="CPU")))
+    assert cpu.blocks(ENGINE) == 0 and mirror.stats.no_tokens == 1
+    assert mirror.stats.unsupported_block_size == 0 and "block size" not in caplog.text
 
 
 def mm_keys(n_blocks: int, block_size: int, items: list[tuple[str, int, int]]) -> list[Any]:

@@ -357,6 +357,75 @@ def test_precise_source_counts_prefills_in_flight_until_events_confirm_them() ->
     assert later is not None and later.matched_tokens == 0
 
 
+def tiered(tiers: dict[str, float]) -> tuple[Scheduler, EngineRegistry, PrefixIndex, dict[str, PrefixIndex]]:
+    """The precise source with offload tiers (as ``app.py`` builds it), the default scoring."""
+    settings = Settings(engines=[EngineSettings(**e) for e in urls(3)])
+    registry = EngineRegistry(settings, httpx.AsyncClient())
+    index = PrefixIndex()
+    indexes = {tier: PrefixIndex() for tier in ("CPU", "STORAGE")}
+    sched = Scheduler(registry, build_profile(settings.scheduling, TokenLedger(None).engine_room),
+                      index=index, block_size=16, learn=False, topology=settings.topology,
+                      tiers=indexes, tier_weights=tiers)
+    return sched, registry, index, indexes
+
+
+def test_a_prefix_offloaded_to_cpu_attracts_its_request_but_less_than_one_in_the_cache() -> None:
+    weights = SchedulingSettings().prefix.tiers
+    assert weights == {"CPU": 0.5, "STORAGE": 0.25}
+    sched, reg, index, tiers = tiered(weights)
+    chain = block_hashes(PROMPT, 16, chain_seed(MODEL))
+    tiers["CPU"].add("http://e1:8000", chain)               # e1 offloaded the conversation to CPU
+    reg.engines[1].inflight_tokens = reg.engines[1].token_budget // 4   # and is busier than the others
+    placement = sched.place(req([*PROMPT, 5, 6]))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+    assert placement.matched_tokens == 0                    # the engine's own cache holds none of it
+
+    index.add("http://e2:8000", chain)                      # e2 holds it in its KV cache: better
+    placement = sched.place(req([*PROMPT, 7, 8]))
+    assert placement is not None and placement.engine.url == "http://e2:8000"
+
+
+def test_storage_counts_less_than_cpu_and_no_tiers_means_load_only() -> None:
+    chain = block_hashes(PROMPT, 16, chain_seed(MODEL))
+    sched, _reg, _index, tiers = tiered({"CPU": 0.5, "STORAGE": 0.25})
+    tiers["STORAGE"].add("http://e0:8000", chain)
+    tiers["CPU"].add("http://e1:8000", chain)
+    placement = sched.place(req([*PROMPT, 1]))
+    assert placement is not None and placement.engine.url == "http://e1:8000"
+
+    # ``tiers: {}``: offloaded prefixes are not read, so the request goes by load (e0, e1 busier).
+    sched, reg, _index, tiers = tiered({})
+    tiers["CPU"].add("http://e1:8000", chain)
+    for busy in reg.engines[:2]:
+        busy.inflight_tokens = busy.token_budget // 4
+    placement = sched.place(req([*PROMPT, 2]))
+    assert placement is not None and placement.engine.url == "http://e2:8000"
+
+
+@pytest.mark.parametrize(("cached", "runs", "expected"), [
+    (0, {}, 0.0),
+    (4, {"CPU": 10}, 0.5 * 6),                       # the CPU tier past the cache
+    (4, {"CPU": 3}, 0.0),                            # a tier behind the cache adds nothing
+    (2, {"CPU": 6, "STORAGE": 10}, 0.5 * 4 + 0.25 * 4),
+    (2, {"CPU": 6, "STORAGE": 5}, 0.5 * 4),          # storage behind the CPU tier adds nothing
+    (0, {"STORAGE": 8, "DISK": 20}, 0.25 * 8),       # a tier with no weight is not read
+])
+def test_each_block_counts_by_the_best_tier_holding_it(cached: int, runs: dict[str, int],
+                                                       expected: float) -> None:
+    from coordinator.pipeline.scheduling.prefix.memory import offloaded_blocks
+
+    assert offloaded_blocks(cached, runs, {"CPU": 0.5, "STORAGE": 0.25}) == expected
+
+
+def test_tier_weights_are_validated() -> None:
+    from coordinator.config import PrefixIndexSettings
+
+    assert PrefixIndexSettings(tiers={"cpu": 0.7, "storage": 0}).tiers == {"CPU": 0.7}
+    for bad in ({"GPU": 0.5}, {"CPU": 1.5}, {"CPU": -0.1}):
+        with pytest.raises(ValueError, match="tier|GPU"):
+            PrefixIndexSettings(tiers=bad)
+
+
 def test_deferred_learning_places_the_kv_affinity_workload_exactly_as_learning_at_once() -> None:
     """``perf.kv_affinity``'s conversations (8 tenants x 32 users x 8 turns) through two schedulers,
     one learning inside ``place`` and one whose lessons wait 0-5 decisions before a batch applies

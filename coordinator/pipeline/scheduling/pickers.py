@@ -70,7 +70,7 @@ class BoundedLoadPicker:
                    or (lora is not None and e.adapters.holds(lora))]
         if not allowed:
             return self._ties(engines, scores, data)
-        if not data.matched_blocks and data.req.lora is None:
+        if data.cold and data.req.lora is None:
             # (An adapter request's home is the engine holding its adapter: the lora scorer's call.)
             # Nothing cached anywhere: this request founds a new prefix "home" (a system prompt, a
             # tenant) that its followers will stick to. Homes are what get pinned, so spread homes:
@@ -82,7 +82,7 @@ class BoundedLoadPicker:
 
     def observe(self, engine: EngineView, data: ScoringInput) -> None:
         now = self._clock()
-        cold = not data.matched_blocks
+        cold = data.cold
         self._recent.append((now, engine.url, cold))
         self._counts[engine.url] += 1
         self._founded[engine.url] += cold

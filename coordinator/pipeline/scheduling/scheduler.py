@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.config import EngineRole, PdProtocol, SchedulingSettings, TopologySettings
@@ -93,7 +93,8 @@ class Scheduler:
                  block_size: int, learn: bool, topology: TopologySettings,
                  metrics: Metrics | None = None, pending: PrefixIndex | None = None,
                  defer: Callable[[Callable[[], None]], None] | None = None,
-                 remote: RemoteIndex | None = None) -> None:
+                 remote: RemoteIndex | None = None, tiers: Mapping[str, PrefixIndex] | None = None,
+                 tier_weights: Mapping[str, float] | None = None) -> None:
         """``learn``: routing decisions feed ``index`` (the approximate source). ``pending``: a short-TTL
         index that routing decisions feed while ``index`` is fed by the engines' KV events (the precise
         source): events arrive only once a prefill has stored its blocks, and a prefix being prefilled
@@ -102,10 +103,12 @@ class Scheduler:
         only reads the index; until the batch runs, later decisions read the unapplied lessons
         directly (``PrefixMemory.lookup``), so they see what they would have seen without deferral.
         ``remote``: the pod's indexer holds the index and the pending layer instead (``prefetch``
-        asks it before each placement)."""
+        asks it before each placement). ``tiers``: offload tiers' indexes (KV events), read beside
+        ``index`` with ``tier_weights`` (which also weigh the tiers a ``remote`` indexer reports)."""
         self._registry = registry
         self.profile = profile
-        self.memory = PrefixMemory(index, pending, learn=learn, defer=defer, remote=remote)
+        self.memory = PrefixMemory(index, pending, learn=learn, defer=defer, remote=remote, tiers=tiers,
+                                   tier_weights=tier_weights)
         self._block_size = block_size
         self._topology = topology
         self._metrics = metrics
@@ -154,8 +157,7 @@ class Scheduler:
         handoff = self.uses_handoff(req.model, req.needs) and not req.native_api  # native: union only
         if handoff or self._scores_prefix:  # the index costs ~0.1 ms; skip it when nothing reads it
             self._prepare(req)
-        matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)  # once, for every role
-        data = ScoringInput(req, matched, self._block_size, continuing)
+        data = self._scoring_input(req)  # once, for every role
         if not handoff:
             return union.place(self, data)
         if req.scores_prompt:  # a decode engine handed the prompt's KV never computes its logprobs
@@ -166,14 +168,18 @@ class Scheduler:
                 return fallback
         return pd.place(self, data)
 
+    def _scoring_input(self, req: SchedRequest) -> ScoringInput:
+        matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)
+        offloaded = self.memory.offloaded(req.block_hashes, matched, req.prefix_view)
+        return ScoringInput(req, matched, self._block_size, continuing, offloaded)
+
     def place_prefill(self, req: SchedRequest) -> Engine:
         """Trigger: the prefill engine for ``req``, chosen when its decode engine calls back. Among
         those with room as usual; when every one is full, the least loaded one anyway: the decode
         engine already holds the request's KV blocks, and waiting here would only hold them longer.
         Raises ``NoHealthyEngine`` when no prefill engine can take it."""
         self._prepare(req)
-        matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)
-        data = ScoringInput(req, matched, self._block_size, continuing)
+        data = self._scoring_input(req)
         tokens = req.prompt_tokens + 1
         engine = self.choose(data, "prefill", tokens)
         if engine is None:
@@ -208,12 +214,13 @@ class Scheduler:
         self.memory.flush()
 
     def export_metrics(self) -> None:
-        """Size of the prefix index and its pending layer, for ``/metrics`` (called at scrape time)."""
+        """Size of the prefix index, its pending layer and the offload tiers' indexes, for ``/metrics``
+        (called at scrape time)."""
         if self._metrics is None:
             return
-        for name, index in (("index", self.memory.index), ("pending", self.memory.pending)):
-            if index is not None:
-                self._metrics.prefix_index(name, index)
+        named = [("index", self.memory.index), ("pending", self.memory.pending),
+                 *((f"tier_{tier.lower()}", ix) for tier, ix in self.memory.tiers.items())]
+        self._metrics.prefix_indexes([(name, ix) for name, ix in named if ix is not None])
 
     # -- the steps placement rules share (placement/base.py, Placer) ---------------------------
     @property

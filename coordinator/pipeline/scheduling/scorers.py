@@ -8,15 +8,16 @@ from coordinator.pipeline.scheduling.types import EngineView, ScoringInput
 
 
 class PrefixScorer:
-    """Share of the prompt already cached on the engine: each cached token is prefill work saved."""
+    """Share of the prompt already cached on the engine: each cached token is prefill work saved. A
+    token held only in an offload tier saves less (it is loaded back), by its tier's weight."""
 
     name = "prefix"
 
     def __call__(self, data: ScoringInput, engines: Sequence[EngineView]) -> list[float]:
-        if not data.matched_blocks:
+        if data.cold:
             return [0.0] * len(engines)
         total = max(1, data.req.prompt_tokens)
-        return [data.matched_tokens(e) / total for e in engines]
+        return [(data.matched_tokens(e) + data.offloaded_tokens(e)) / total for e in engines]
 
 
 class LoadScorer:

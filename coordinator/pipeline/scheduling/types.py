@@ -10,7 +10,7 @@ plugins are generic in the engine type, so a picker hands back the very object i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from coordinator.pipeline.engines.capabilities import Capability
@@ -65,10 +65,24 @@ class ScoringInput:
     matched_blocks: dict[str, int]  # engine url → leading prompt blocks it holds (prefix index)
     block_size: int
     continuing: frozenset[str] = frozenset()  # engines where the request extends its own chain
+    offloaded: dict[str, float] = field(default_factory=dict)  # engine url → weighted blocks past those,
+    #                                                              held only in its offload tiers
+
+    @property
+    def cold(self) -> bool:
+        """No engine holds any of the prompt, in its cache or an offload tier."""
+        return not self.matched_blocks and not self.offloaded
 
     def matched_tokens(self, engine: EngineView) -> int:
         n = self.matched_blocks.get(engine.url)
         return 0 if n is None else min(n * self.block_size, self.req.prompt_tokens)
+
+    def offloaded_tokens(self, engine: EngineView) -> float:
+        """Tokens past ``matched_tokens`` held in the engine's offload tiers, by their tiers' weights."""
+        extra = self.offloaded.get(engine.url)
+        if not extra:
+            return 0.0
+        return min(extra * self.block_size, self.req.prompt_tokens - self.matched_tokens(engine))
 
 
 class Filter(Protocol):

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -252,9 +252,12 @@ class PreciseIndexSource:
     """
 
     def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
-                 topic: str = "", context: zmq.Context[Any] | None = None, bootstrap: bool = False) -> None:
-        """``bootstrap``: each feed first replays what its engine still buffers (``KvEventSubscriber``)."""
+                 topic: str = "", context: zmq.Context[Any] | None = None, bootstrap: bool = False,
+                 tiers: Mapping[str, PrefixIndex] | None = None) -> None:
+        """``bootstrap``: each feed first replays what its engine still buffers (``KvEventSubscriber``).
+        ``tiers``: the offload tiers' indexes (``KvEventMirror``); events of other tiers are dropped."""
         self.index = index
+        self.tiers = dict(tiers or {})
         self.model_of = model_of
         self.block_size = block_size
         self.topic = topic
@@ -273,7 +276,7 @@ class PreciseIndexSource:
             if sub.endpoint == endpoint and sub.mirror.model == model and sub.replay_endpoint == replay:
                 return sub
             await self.detach(engine_url)
-        mirror = KvEventMirror(self.index, engine_url, model, self.block_size)
+        mirror = KvEventMirror(self.index, engine_url, model, self.block_size, tiers=self.tiers)
         sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
                                 bootstrap=self.bootstrap)
         sub.start()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import itemgetter
@@ -44,7 +44,14 @@ PRIMARY_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
 """Media that mean "the engine's own KV cache". vLLM's ``BlockPool`` reports ``"GPU"`` for its primary
 pool on every platform, the CPU build included (its KV lives in host memory but the label stays);
 ``"CPU"``/``"cpu"``/``"STORAGE"`` come from offloading tiers, whose blocks must be loaded back before
-reuse and whose events would otherwise mirror blocks that already left the primary cache."""
+reuse and whose events would otherwise mirror blocks that already left the primary cache. Those go to
+a tier's own index, when one is given (``KvEventMirror``'s ``tiers``)."""
+
+
+def tier_name(medium: str | None) -> str:
+    """An offload tier's key in ``scheduling.prefix.tiers``: vLLM says ``"CPU"``/``"STORAGE"``, some
+    connectors lower case."""
+    return (medium or "").upper()
 
 
 # --- decoding (the wire types are the shared contract's) ---------------------------------------------
@@ -102,7 +109,9 @@ class MirrorStats:
     clears: int = 0
     unknown_parent: int = 0          # runs skipped: their parent was never seen (missed event, partial tail)
     unsupported_block_size: int = 0  # runs skipped: event block size is not a multiple of ours
-    other_medium: int = 0            # events from an offload tier, ignored
+    other_medium: int = 0            # events from a medium that is neither primary nor a kept tier
+    tier_blocks_stored: int = 0      # engine blocks placed in an offload tier's index
+    no_tokens: int = 0               # stored runs without token ids (an offload tier's placeholders)
     unhashable_blocks: int = 0       # blocks not indexed: multimodal / prompt-embeds keys we cannot hash
     engine_block_size: int | None = None  # the block size of the last BlockStored (128 on vLLM CPU)
 
@@ -112,6 +121,23 @@ _Entry = tuple[tuple[BlockHash, ...], int]
 it (the depth a run continuing it starts at, which the chain's hash needs)."""
 
 
+class _Medium:
+    """One medium's blocks of one engine: where they are indexed, and the translation its removals
+    need (``KvEventMirror``)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.ours: dict[int, dict[ExternalBlockHash, _Entry]] = {}  # KV cache group → engine block → ours
+        self.held: set[BlockHash] = set()
+        self.extra: dict[BlockHash, int] = {}
+
+    def clear(self, engine: str) -> None:
+        self.ours.clear()
+        self.held.clear()
+        self.extra.clear()
+        self.index.clear(engine)
+
+
 class KvEventMirror:
     """One engine's KV events → ``index`` entries under ``engine``, in our hash space.
 
@@ -119,29 +145,35 @@ class KvEventMirror:
     ``model``/``lora_name`` + the cache salt for a root run) and re-hashed at our ``block_size``: an
     engine block of 128 tokens becomes 8 of our 16-token blocks, all recorded for its removal.
 
+    Events of an offload tier (``medium`` CPU or STORAGE, vLLM's offloading connectors) go to that
+    tier's index in ``tiers`` (keyed by ``tier_name``), or are counted and dropped when it has none.
+    An engine hash names the same tokens in every medium, so a tier's run may continue a parent the
+    primary cache reported, and the other way round.
+
     The per-block work is C-level passes over whole runs (``dict.update``/``map``/``zip``), no Python
     bytecode per block: at 256 engines the intake is tens of thousands of blocks a second
     (docs/scheduling.md, "The pod's KV index"). Two engine blocks can map to one hash of ours (KV
     cache groups of a hybrid model share hashes; a LoRA run under the base model's name), so a hash
-    leaves the index only with its last engine block: ``_held`` has every hash some engine block
-    maps to, ``_extra`` the rare ones more than one does (how many more).
+    leaves the index only with its last engine block: ``held`` has every hash some engine block
+    maps to, ``extra`` the rare ones more than one does (how many more).
     """
 
     def __init__(self, index: PrefixIndex, engine: str, model: str, block_size: int, *,
-                 media: Iterable[str | None] = PRIMARY_MEDIA) -> None:
+                 media: Iterable[str | None] = PRIMARY_MEDIA,
+                 tiers: Mapping[str, PrefixIndex] | None = None) -> None:
         self.index = index
         self.engine = engine
         self.model = model
         self.block_size = block_size
         self.media = frozenset(media)
         self.stats = MirrorStats()
-        self._ours: dict[int, dict[ExternalBlockHash, _Entry]] = {}  # KV cache group → engine block → ours
-        self._held: set[BlockHash] = set()
-        self._extra: dict[BlockHash, int] = {}
+        self._primary = _Medium(index)
+        self._tiers = {name: _Medium(ix) for name, ix in (tiers or {}).items()}
+        self._all = [self._primary, *self._tiers.values()]
 
     @property
     def engine_blocks(self) -> int:
-        return sum(map(len, self._ours.values()))
+        return sum(map(len, self._primary.ours.values()))
 
     def apply_payload(self, payload: bytes) -> bool:
         """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage."""
@@ -161,23 +193,37 @@ class KvEventMirror:
             if isinstance(ev, AllBlocksCleared):
                 self.stats.clears += 1
                 self.reset()
-            elif ev.medium not in self.media:
-                self.stats.other_medium += 1
-            elif isinstance(ev, BlockStored):
-                self._stored(ev)
             else:
-                self._removed(ev)
+                at = self._primary if ev.medium in self.media else self._tiers.get(tier_name(ev.medium))
+                if at is None:
+                    self.stats.other_medium += 1
+                elif isinstance(ev, BlockStored):
+                    self._stored(ev, at)
+                else:
+                    self._removed(ev, at)
 
     def reset(self) -> None:
-        """The engine's cache is gone (``AllBlocksCleared``, restart) or we stop listening."""
-        self._ours.clear()
-        self._held.clear()
-        self._extra.clear()
-        self.index.clear(self.engine)
+        """The engine's cache is gone (``AllBlocksCleared``, restart) or we stop listening. vLLM's
+        ``AllBlocksCleared`` carries no medium and a reset clears the offload tiers too, so all go."""
+        for at in self._all:
+            at.clear(self.engine)
 
-    def _stored(self, ev: BlockStored) -> None:
+    def _parent(self, group: int, parent: ExternalBlockHash, at: _Medium) -> _Entry | None:
+        """The parent's translation: from the run's own medium, else from any other (same hashes)."""
+        found = at.ours.get(group, {}).get(parent)
+        if found is None:
+            for other in self._all:
+                if other is not at and (found := other.ours.get(group, {}).get(parent)) is not None:
+                    break
+        return found
+
+    def _stored(self, ev: BlockStored, at: _Medium) -> None:
         group = ev.group_idx or 0
-        self.stats.engine_block_size = ev.block_size
+        if not ev.token_ids:  # an offload tier's placeholder (not self-describing): nothing to hash
+            self.stats.no_tokens += 1
+            return
+        if at is self._primary:
+            self.stats.engine_block_size = ev.block_size
         if ev.block_size <= 0 or ev.block_size % self.block_size:
             self.stats.unsupported_block_size += 1
             _warn_once(f"bs:{self.engine}:{ev.block_size}",
@@ -185,11 +231,11 @@ class KvEventMirror:
                        "set scheduling.prefix.block_size to a divisor of it", self.engine, ev.block_size,
                        self.block_size)
             return
-        known = self._ours.get(group)
+        known = at.ours.get(group)
         if known is None:
-            known = self._ours[group] = {}
+            known = at.ours[group] = {}
         if ev.parent_block_hash is not None:
-            parent = known.get(ev.parent_block_hash)
+            parent = self._parent(group, ev.parent_block_hash, at)
             if parent is None or not parent[0]:
                 # Missed event, or a partial-tail entry whose parent sits inside an engine block.
                 self.stats.unknown_parent += 1
@@ -212,38 +258,42 @@ class KvEventMirror:
         engine_hashes = ev.block_hashes[:n] if len(ev.block_hashes) > n else ev.block_hashes
         again = known.keys() & engine_hashes
         if again:  # re-reported (a cache hit in "full" report mode): its old mapping goes first
-            self._release(list(chain.from_iterable(known.pop(eh)[0] for eh in again)))
+            self._release(list(chain.from_iterable(known.pop(eh)[0] for eh in again)), at)
         # Our hashes cut into the engine's blocks, each with the depth after it: C-level zips.
         cut = zip(*[iter(ours)] * per, strict=True)
         depths = range(start + per, start + (n + 1) * per, per)
         known.update(zip(engine_hashes, zip(cut, depths, strict=True), strict=True))
-        held = self._held
+        held = at.held
         if not held.isdisjoint(ours):
-            extra = self._extra
+            extra = at.extra
             for h in held.intersection(ours):
                 extra[h] = extra.get(h, 0) + 1
         held.update(ours)
-        self.stats.blocks_stored += n
+        if at is self._primary:
+            self.stats.blocks_stored += n
+        else:
+            self.stats.tier_blocks_stored += n
         # All of them, not only new ones: refreshes entries someone else (a registry clear) dropped.
-        self.index.add(self.engine, ours, parent=seed if ev.parent_block_hash is not None else None)
+        at.index.add(self.engine, ours, parent=seed if ev.parent_block_hash is not None else None)
 
-    def _removed(self, ev: BlockRemoved) -> None:
-        known = self._ours.get(ev.group_idx or 0)
+    def _removed(self, ev: BlockRemoved, at: _Medium) -> None:
+        known = at.ours.get(ev.group_idx or 0)
         if not known:
             return
         entries = [e for e in map(known.pop, ev.block_hashes, repeat(None)) if e is not None]
         if entries:
-            self.stats.blocks_removed += len(entries)
-            gone = self._release(list(chain.from_iterable(map(itemgetter(0), entries))))
+            if at is self._primary:
+                self.stats.blocks_removed += len(entries)
+            gone = self._release(list(chain.from_iterable(map(itemgetter(0), entries))), at)
             if gone:
-                self.index.remove(self.engine, gone)
+                at.index.remove(self.engine, gone)
 
-    def _release(self, ours: list[BlockHash]) -> list[BlockHash]:
+    def _release(self, ours: list[BlockHash], at: _Medium) -> list[BlockHash]:
         """Drop one engine block's mapping per hash; returns the hashes no engine block maps to any
-        more (all of them, unless a hash is mapped more than once: ``_extra`` is almost always empty)."""
-        extra = self._extra
+        more (all of them, unless a hash is mapped more than once: ``extra`` is almost always empty)."""
+        extra = at.extra
         if not extra or extra.keys().isdisjoint(ours):
-            self._held.difference_update(ours)
+            at.held.difference_update(ours)
             return ours
         shared = Counter(h for h in ours if h in extra)
         kept = set()
@@ -254,7 +304,7 @@ class KvEventMirror:
             if left > 0:
                 kept.add(h)
         free = [h for h in dict.fromkeys(ours) if h not in kept]
-        self._held.difference_update(free)
+        at.held.difference_update(free)
         return free
 
 

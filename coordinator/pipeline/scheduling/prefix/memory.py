@@ -13,6 +13,10 @@ every worker: a decision reads the indexer's answer to a question asked just bef
 (``PrefixView``) plus this process's lessons the indexer had not received when it answered, and the
 lessons are sent to it in the deferred batch. Sent lessons are kept here for ``RECENT_S``, which is
 also what a decision sees of the past while the indexer is unreachable.
+
+Offload tiers (``tiers``, the precise source: vLLM's CPU and storage offloading) are indexes of their
+own, read beside the engine's cache: a block held only in a tier counts by the tier's weight
+(``offloaded``), since it must be loaded back rather than recomputed.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.contracts.hashing import BlockHash
@@ -45,6 +49,21 @@ class PrefixView:
     matched: dict[str, int]
     continuing: frozenset[str]
     seen: int   # this process's lessons numbered up to here had been sent when it asked
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # engine → offload tier → leading blocks
+
+
+def offloaded_blocks(cached: int, runs: Mapping[str, int], weights: Mapping[str, float]) -> float:
+    """Blocks an engine holds past the ``cached`` ones of its own cache, each counted by the weight of
+    the best tier that holds it (the weights, highest first: CPU before storage). A tier's run counts
+    from the prompt's start, so a tier holding only a middle piece adds nothing: an under-estimate,
+    never a promise the engine cannot keep."""
+    reach, extra = cached, 0.0
+    for tier, weight in sorted(weights.items(), key=lambda tw: -tw[1]):
+        run = runs.get(tier, 0)
+        if run > reach:
+            extra += weight * (run - reach)
+            reach = run
+    return extra
 
 
 class _Differs:
@@ -60,14 +79,19 @@ class _Differs:
 class PrefixMemory:
     def __init__(self, index: PrefixIndex | None, pending: PrefixIndex | None, *, learn: bool,
                  defer: Callable[[Callable[[], None]], None] | None = None,
-                 remote: RemoteIndex | None = None) -> None:
+                 remote: RemoteIndex | None = None, tiers: Mapping[str, PrefixIndex] | None = None,
+                 tier_weights: Mapping[str, float] | None = None) -> None:
         """``learn``: decisions feed ``index`` (the approximate source). ``pending``: the short-TTL
         layer decisions feed while ``index`` is fed by KV events. ``defer``: how the batch of lessons
         is scheduled (None: applied at once). ``remote``: the pod's indexer, which holds both (then
-        ``index`` and ``pending`` are None here)."""
+        ``index`` and ``pending`` are None here). ``tiers``: the offload tiers' indexes (KV events),
+        ``tier_weights`` what a block in each is worth (the indexer's tiers reach a worker in its
+        ``PrefixView``)."""
         self.index = index
         self.pending = pending
         self.remote = remote
+        self.tiers = dict(tiers or {})
+        self.tier_weights = dict(tier_weights or {})
         self._learns = learn and index is not None
         self._defer = defer
         self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
@@ -87,8 +111,9 @@ class PrefixMemory:
         answer = await self.remote.match(hashes)
         if answer is None:
             return None
-        return PrefixView({m.engine: m.blocks for m in answer.engines},
-                          frozenset(m.engine for m in answer.engines if m.continues), seen)
+        return PrefixView({m.engine: m.blocks for m in answer.engines if m.blocks},
+                          frozenset(m.engine for m in answer.engines if m.continues), seen,
+                          {m.engine: m.tiers for m in answer.engines if m.tiers})
 
     def _lessons(self, view: PrefixView | None) -> Iterator[tuple[str, list[BlockHash]]]:
         """The lessons a lookup must read itself: those not applied (or sent) yet, and with the indexer,
@@ -147,6 +172,29 @@ class PrefixMemory:
                 note(url, n, lands_in)
         return matched, frozenset(continuing)
 
+    def tier_runs(self, hashes: list[int] | None) -> dict[str, dict[str, int]]:
+        """Leading blocks of ``hashes`` each engine holds in each offload tier of this process."""
+        runs: dict[str, dict[str, int]] = {}
+        if hashes:
+            for tier, index in self.tiers.items():
+                for url, n in index.match(hashes).items():
+                    runs.setdefault(url, {})[tier] = n
+        return runs
+
+    def offloaded(self, hashes: list[int] | None, matched: Mapping[str, int],
+                  view: PrefixView | None = None) -> dict[str, float]:
+        """Weighted blocks each engine holds in offload tiers past its ``matched`` ones
+        (``offloaded_blocks``), from this process's tiers or the indexer's ``view``."""
+        if not self.tier_weights or not hashes:
+            return {}
+        runs = view.tiers if view is not None else self.tier_runs(hashes)
+        out = {}
+        for url, held in runs.items():
+            extra = offloaded_blocks(matched.get(url, 0), held, self.tier_weights)
+            if extra > 0:
+                out[url] = extra
+        return out
+
     def learn(self, engine_url: str, hashes: list[BlockHash] | None) -> None:
         """A placement's lesson: ``engine_url`` now holds (or is about to hold) this chain."""
         if not hashes or not (self._learns or self.pending is not None or self.remote is not None):
@@ -185,7 +233,7 @@ class PrefixMemory:
             kept = [lesson for lesson in self._sent if lesson[2] != engine_url]
             self._sent.clear()
             self._sent.extend(kept)
-        for index in (self.index, self.pending):
+        for index in (self.index, self.pending, *self.tiers.values()):
             if index is not None:
                 index.clear(engine_url)
 
