@@ -422,7 +422,7 @@ def test_tier_weights_are_validated() -> None:
 
     assert PrefixIndexSettings(tiers={"cpu": 0.7, "storage": 0}).tiers == {"CPU": 0.7}
     for bad in ({"GPU": 0.5}, {"CPU": 1.5}, {"CPU": -0.1}):
-        with pytest.raises(ValueError, match="tier|GPU"):
+        with pytest.raises(ValueError, match=r"tier|GPU"):
             PrefixIndexSettings(tiers=bad)
 
 
