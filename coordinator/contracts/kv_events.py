@@ -24,6 +24,10 @@ bits as an int."""
 
 MEDIUM_GPU = "GPU"
 """The label of an engine's own KV pool, on every platform (vLLM's ``BlockPool``)."""
+MEDIUM_CPU = "CPU"
+"""An offloading connector's CPU-memory tier (vLLM's ``OffloadingConnector``)."""
+MEDIUM_STORAGE = "STORAGE"
+"""An offloading connector's disk or object-store tier."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 

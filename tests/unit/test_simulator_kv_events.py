@@ -154,6 +154,41 @@ async def test_events_decode_with_vllm_and_follow_the_cache(vllm_kv: Any) -> Non
         assert not sub.sock.poll(100)  # nothing else was published
 
 
+async def test_a_cpu_offload_tier_publishes_its_own_events_and_serves_evicted_prefixes(vllm_kv: Any) -> None:
+    """``offload_blocks``: vLLM's OffloadingConnector with self-describing events. Every computed block
+    is stored to the CPU tier too (medium CPU, same hashes, tokens and parents); a prefix the GPU
+    evicted is loaded back from it (cached, and cheaper than a prefill), and the tier evicts its own."""
+    cfg = SimConfig(kv_events_endpoint="tcp://*:0", block_size=4, capacity_blocks=3, offload_blocks=5,
+                    enable_prompt_tokens_details=True, prefill_s_per_token=0.0)
+    async with sim_with_subscriber(cfg, vllm_kv) as (c, sub):
+        a = list(range(100, 113))                   # 3 full blocks
+        await generate(c, a)
+        gpu, cpu = sub.events()
+        assert (gpu.medium, cpu.medium) == ("GPU", "CPU")
+        assert cpu.block_hashes == gpu.block_hashes == ext(a) and cpu.parent_block_hash is None
+        assert cpu.token_ids == a[:12] and cpu.block_size == 4
+
+        b = list(range(300, 309))                   # 2 blocks: the GPU evicts 2 of a's, the CPU keeps all
+        await generate(c, b)
+        assert [(type(e).__name__, e.medium) for e in sub.events()] == [
+            ("BlockRemoved", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockStored", "CPU")]
+        state = (await c.get("/sim/state")).json()["prefix_cache"]
+        assert (state["blocks"], state["offload_blocks"]) == (3, 5)
+
+        out = await generate(c, [*a, 7])             # a's blocks come back from the CPU tier
+        assert out["choices"][0] is not None
+        state = (await c.get("/sim/state")).json()["prefix_cache"]
+        assert state["offload_hits"] == 8            # a's first block stayed on the GPU; two were loaded
+        events = sub.events()
+        assert [e.medium for e in events if isinstance(e, vllm_kv.BlockStored)] == ["GPU"]  # CPU has them
+        assert all(e.medium == "GPU" for e in events if isinstance(e, vllm_kv.BlockRemoved))
+
+        d = list(range(500, 513))                   # 3 new blocks: the CPU tier (5) evicts its oldest
+        await generate(c, d)
+        cpu_removed = [e for e in sub.events() if isinstance(e, vllm_kv.BlockRemoved) and e.medium == "CPU"]
+        assert len(cpu_removed) == 1 and set(cpu_removed[0].block_hashes) <= set(ext(a) + ext(b))
+
+
 async def test_a_consumer_can_rebuild_the_cache_from_events(vllm_kv: Any) -> None:
     """Replaying stored/removed events gives exactly the simulator's cache, and every stored run's parent
     is a block the consumer already knows (so it can follow parent_block_hash)."""

@@ -73,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_concurrency", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--capacity-blocks", type=int, default=None)
+    p.add_argument("--kv-offload-blocks", type=int, default=None,
+                   help="a CPU offload tier of this many blocks (vLLM's OffloadingConnector; its KV events "
+                   "say medium CPU)")
     p.add_argument(
         "--kv-events-config",
         type=_kv_events_config,
@@ -114,6 +117,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "max_concurrency": args.max_concurrency,
         "block_size": args.block_size,
         "capacity_blocks": args.capacity_blocks,
+        "offload_blocks": args.kv_offload_blocks,
         "api_key": args.api_key,
         "seed": args.seed,
         "kv_lease_s": args.kv_lease_s,

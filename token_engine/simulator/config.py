@@ -96,6 +96,11 @@ class SimConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     capacity_blocks: int = Field(default=4096, ge=1)
     enable_prefix_caching: bool = True
+    offload_blocks: int = Field(default=0, ge=0)
+    """A CPU offload tier of this many blocks, as vLLM's OffloadingConnector with
+    `self_describing_kv_events` (prefix_cache.py): its KV events carry `medium: "CPU"`. 0: none."""
+    offload_load_share: float = Field(default=0.1, ge=0.0)
+    """Time to load a token back from the CPU tier, as a share of its prefill time."""
     enable_prompt_tokens_details: bool = False
     """vLLM's `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details.cached_tokens`."""
 

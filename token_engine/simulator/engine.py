@@ -126,6 +126,7 @@ class SimEngine:
             config.enable_prefix_caching,
             on_events=on_kv_events,
             int_event_hashes=config.kv_events_int_hashes,
+            offload_blocks=config.offload_blocks,
         )
         self.transfers = TransferPins(config.kv_lease_s)
         self.peer_notifier = PeerNotifier()
@@ -264,13 +265,14 @@ class SimEngine:
                 yield delta
             return
         cached = self.prefix_cache.lookup(req.prompt, req.cache_salt, lora=req.lora, media=req.media)
+        loaded = self.prefix_cache.last_loaded  # of ``cached``: loaded back from the CPU tier
         req.num_cached_tokens = cached
         uncached = len(req.prompt) - cached
         if self._is_trigger_decode(req):
-            loaded = await self._await_remote_kv(req, cached)
-            if loaded is None:
+            loaded_remote = await self._await_remote_kv(req, cached)
+            if loaded_remote is None:
                 return
-            if loaded:  # the whole prompt arrived; as with NIXL only the last token is recomputed
+            if loaded_remote:  # the whole prompt arrived; as with NIXL only the last token is recomputed
                 uncached = min(uncached, 1)
                 req.num_cached_tokens = len(req.prompt)
         elif self._is_remote_prefill(req):
@@ -285,7 +287,8 @@ class SimEngine:
         # Images are encoded only where tokens are computed here (a decode leg that loaded the prompt's
         # KV computes the last token alone, so it encodes nothing).
         encode_s = self._encode_s(req, len(req.prompt) - uncached)
-        if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached + encode_s):
+        load_s = cfg.prefill_s_per_token * cfg.offload_load_share * loaded
+        if await self._sleep(req, cfg.ttft_s + cfg.prefill_s_per_token * uncached + load_s + encode_s):
             return
         self.prefix_cache.insert(req.prompt, req.cache_salt,
                                  (req.lora, self.loras.adapter_id(req.lora)) if req.lora else None, req.media)

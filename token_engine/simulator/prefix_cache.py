@@ -10,17 +10,26 @@ at least one prompt token is always recomputed (a fully cached, block-aligned pr
 block). Like vLLM's free-block queue, a request's blocks are queued for eviction tail first, so a parent
 is never evicted before its children and the cache never holds unreachable blocks. It models a hash
 table, not physical block allocation.
+
+With ``offload_blocks`` it also models vLLM's OffloadingConnector to CPU memory with
+``self_describing_kv_events``: every block the engine computes is stored to a CPU tier too (its own
+LRU of ``offload_blocks``), published as ``BlockStored``/``BlockRemoved`` with ``medium: "CPU"`` and
+the same block hashes, tokens and parents as the GPU's events. A prompt's run that continues past the
+GPU's hit in the CPU tier is loaded back rather than recomputed (``lookup`` counts it as cached,
+``last_loaded`` says how much of it came from the tier, as vLLM counts an external hit).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.contracts.kv_events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -80,6 +89,8 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     evictions: int = 0
+    offload_hits: int = 0        # prompt tokens loaded back from the CPU tier
+    offload_evictions: int = 0   # blocks the CPU tier dropped
 
 
 class PrefixCache:
@@ -98,14 +109,18 @@ class PrefixCache:
         *,
         on_events: EventSink | None = None,
         int_event_hashes: bool = True,
+        offload_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.enabled = enabled
         self.on_events = on_events
         self.int_event_hashes = int_event_hashes
+        self.offload_blocks = offload_blocks
         self.stats = PrefixCacheStats()
+        self.last_loaded = 0  # tokens of the last ``lookup`` that came from the CPU tier
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+        self._offloaded: OrderedDict[BlockHash, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -113,31 +128,51 @@ class PrefixCache:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._blocks
 
-    def _touch(self, hashes: Sequence[BlockHash]) -> None:
+    @property
+    def offloaded_len(self) -> int:
+        """Blocks the CPU tier holds."""
+        return len(self._offloaded)
+
+    def offloaded(self, block_hash: object) -> bool:
+        """Whether the CPU tier holds this block."""
+        return block_hash in self._offloaded
+
+    def _touch(self, hashes: Sequence[BlockHash], blocks: OrderedDict[BlockHash, None] | None = None) -> None:
         """Most recently used, tail block first: the tail is evicted before its parents."""
+        blocks = self._blocks if blocks is None else blocks
         for h in reversed(hashes):
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
+            blocks[h] = None
+            blocks.move_to_end(h)
 
     def lookup(self, token_ids: Sequence[int], salt: str | None = None, *, record: bool = True,
                lora: str | None = None, media: Sequence[MediaItem] = ()) -> int:
         """Number of leading prompt tokens served from cache; counts a query when `record`."""
-        cached = 0
+        cached = loaded = 0
         if self.enabled:
             hit: list[BlockHash] = []
-            for h in block_hashes(token_ids, self.block_size, salt, lora, media):
+            hashes = block_hashes(token_ids, self.block_size, salt, lora, media)
+            for h in hashes:
                 if h not in self._blocks:
                     break
                 hit.append(h)
             self._touch(hit)
+            # The offloading connector looks up what follows the GPU's hit in its tier.
+            more = list(itertools.takewhile(self._offloaded.__contains__, hashes[len(hit):]))
+            self._touch(more, self._offloaded)
             cached = len(hit) * self.block_size
+            loaded = len(more) * self.block_size
             # vLLM always recomputes at least the last prompt token to get logits.
-            if cached >= len(token_ids):
-                cached = max(0, cached - self.block_size)
+            if cached + loaded >= len(token_ids):
+                if loaded:
+                    loaded -= self.block_size
+                else:
+                    cached = max(0, cached - self.block_size)
+        self.last_loaded = loaded
         if record:
             self.stats.queries += len(token_ids)
             self.stats.hits += cached
-        return cached
+            self.stats.offload_hits += loaded
+        return cached + loaded
 
     def insert(self, token_ids: Sequence[int], salt: str | None = None,
                lora: tuple[str, int] | None = None, media: Sequence[MediaItem] = ()) -> None:
@@ -159,11 +194,33 @@ class PrefixCache:
         if first_new < len(hashes):
             events.append(self._stored(hashes, first_new, token_ids, salt, lora, media))
         events.extend(self._removed(h) for h in evicted if h in new)
+        if self.offload_blocks:
+            events.extend(self._offload(hashes, token_ids, salt, lora, media))
         self.on_events(events)
 
+    def _offload(self, hashes: list[BlockHash], token_ids: Sequence[int], salt: str | None,
+                 lora: tuple[str, int] | None, media: Sequence[MediaItem]) -> list[KVEvent]:
+        """Store the computed blocks to the CPU tier too (what it lacks of them is a suffix, as in the
+        GPU's cache) and evict its oldest beyond ``offload_blocks``: the tier's events."""
+        tier = self._offloaded
+        first_new = next((i for i, h in enumerate(hashes) if h not in tier), len(hashes))
+        self._touch(hashes, tier)
+        evicted: list[BlockHash] = []
+        while len(tier) > self.offload_blocks:
+            evicted.append(tier.popitem(last=False)[0])
+            self.stats.offload_evictions += 1
+        events: list[KVEvent] = []
+        if first_new < len(hashes):
+            events.append(self._stored(hashes, first_new, token_ids, salt, lora, media, medium=MEDIUM_CPU))
+        if evicted:
+            events.append(BlockRemoved(block_hashes=[self._ext(h) for h in evicted], medium=MEDIUM_CPU,
+                                       group_idx=0))
+        return events
+
     def clear(self) -> None:
-        """Drop every cached block (vLLM's `reset_prefix_cache`); counters are kept."""
+        """Drop every cached block (vLLM's `reset_prefix_cache`, the CPU tier's too); counters are kept."""
         self._blocks.clear()
+        self._offloaded.clear()
         if self.on_events is not None and self.enabled:
             self.on_events([AllBlocksCleared()])
 
@@ -179,7 +236,7 @@ class PrefixCache:
 
     def _stored(
         self, hashes: list[BlockHash], first: int, token_ids: Sequence[int], salt: str | None,
-        lora: tuple[str, int] | None = None, media: Sequence[MediaItem] = (),
+        lora: tuple[str, int] | None = None, media: Sequence[MediaItem] = (), medium: str = MEDIUM_GPU,
     ) -> BlockStored:
         """vLLM's `cache_full_blocks` event: the new run, its parent, its tokens, per-block extra keys
         untagged in vLLM's order (a LoRA run's adapter name on every block, then ``(mm_hash, offset)``
@@ -198,7 +255,7 @@ class PrefixCache:
             token_ids=list(token_ids[first * bs : len(hashes) * bs]),
             block_size=bs,
             lora_id=lora[1] if lora else None,
-            medium=MEDIUM_GPU,
+            medium=medium,
             lora_name=lora[0] if lora else None,
             extra_keys=[keys(i) for i in range(first, len(hashes))],
             group_idx=0,
