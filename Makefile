@@ -93,7 +93,7 @@ lint: venv
 
 # Every benchmark in perf/ (each writes perf/out/<name>/), then docs/benchmarks.md and docs/img/ from
 # their reports. Run it on a quiet machine: the figures are ratios, but a busy machine still skews them.
-BENCHMARKS := stream_overhead scheduler_latency kv_affinity overload capacity derender_cost parser_chunking \
+BENCHMARKS := stream_overhead scheduler_latency kv_affinity offload_tiers overload capacity derender_cost parser_chunking \
               ab_native profile_mapper nnrp_latency nnrp_long_context topologies fleet_admission fairness lora \
               multimodal text_paths responses_store
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # `make bench` order; also the order of sections this adds.
-BENCHMARKS = ("stream_overhead", "scheduler_latency", "kv_affinity", "overload", "capacity",
+BENCHMARKS = ("stream_overhead", "scheduler_latency", "kv_affinity", "offload_tiers", "overload", "capacity",
               "capacity_hermes", "derender_cost", "parser_chunking", "ab_native", "profile_mapper",
               "nnrp_latency", "nnrp_long_context", "topologies", "fleet_admission", "fairness", "lora",
               "multimodal", "text_paths", "responses_store")

@@ -286,10 +286,12 @@ class EngineModel:
     decode_s_per_token: float
     ttft_s: float
     max_model_len: int
+    offload_blocks: int = 0   # a CPU offload tier per engine (perf.offload_tiers)
 
     def sim_config(self, seed: int, kv_events: bool) -> SimConfig:
         return SimConfig(model=SERVED, mode="random", seed=seed, block_size=BLOCK_SIZE,
                          capacity_blocks=self.capacity_blocks, max_concurrency=self.slots,
+                         offload_blocks=self.offload_blocks,
                          prefill_s_per_token=self.prefill_s_per_token,
                          decode_s_per_token=self.decode_s_per_token, ttft_s=self.ttft_s,
                          max_model_len=self.max_model_len,

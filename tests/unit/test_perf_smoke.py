@@ -35,6 +35,7 @@ from perf import (
     fleet_admission,
     kv_affinity,
     lora,
+    offload_tiers,
     overload,
     scheduler_latency,
     topologies,
@@ -166,6 +167,17 @@ def test_overload_quick(out_root: Path, stub_render: str, capsys: pytest.Capture
     assert on["ok"] > 0 and on["rejected"] > 0 and on["failed"] == 0   # 3x: some served, some refused
     assert figures["admission_off"]["outcomes"]["rejected"] == 0
     assert (out_root / "overload" / "overload.png").stat().st_size > 0
+
+
+def test_offload_tiers_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Simulated engines with CPU tiers publishing over ZMQ, a coordinator per policy: the engines load
+    conversations back from their tiers, and the report and plot are written."""
+    offload_tiers.main(["--quick", "--render-url", stub_render])
+    result = last_json(capsys.readouterr().out)
+    assert result["benchmark"] == "offload_tiers" and result["errors"] == 0
+    assert result["precise_tiers_offload_hit_rate"] > 0 and "computed_tokens_tierless_vs_tiers" in result
+    assert (out_root / "offload_tiers" / "report.md").read_text().startswith("# Offload tiers")
+    assert (out_root / "offload_tiers" / "offload_tiers.png").stat().st_size > 0
 
 
 def test_fleet_admission_quick(out_root: Path, stub_render: str, capsys: pytest.CaptureFixture[str]) -> None:
