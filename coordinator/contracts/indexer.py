@@ -78,6 +78,9 @@ class EngineMatch(msgspec.Struct, array_like=True):
 class Matched(msgspec.Struct, tag_field="op", tag="matched"):
     id: int
     engines: list[EngineMatch]
+    # Routing decisions per engine over the bounded-load window, from every connection's lessons: the
+    # pod-wide shares the ``bounded_load`` picker bounds (each worker alone sees only its own).
+    recent: dict[str, int] = {}
 
 
 class Stats(msgspec.Struct, tag_field="op", tag="stats"):

@@ -57,7 +57,8 @@ async def serve(settings: Settings, addresses: list[str],
                 started: Callable[[list[str]], None] | None = None) -> None:
     """Serve the index on ``addresses`` until SIGTERM or SIGINT. ``started`` is told what was bound."""
     quiet_collector()
-    server = IndexServer(IndexService(settings.scheduling.prefix), addresses)
+    server = IndexServer(IndexService(settings.scheduling.prefix,
+                                       window_s=settings.scheduling.bounded_load.window_s), addresses)
     await server.start()
     if started is not None:
         started(server.bound)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter, deque
 
 from coordinator.config import PrefixIndexSettings
 from coordinator.contracts.indexer import (
@@ -30,8 +31,13 @@ class IndexService:
     worker's decisions, so each sees the lessons of all; the precise source mirrors each engine's KV
     events once for the pod, and the workers' lessons feed its short-lived pending layer."""
 
-    def __init__(self, prefix: PrefixIndexSettings) -> None:
+    def __init__(self, prefix: PrefixIndexSettings, *, window_s: float = 30.0) -> None:
+        """``window_s``: how long a worker's decision counts towards the pod's shares (the
+        ``bounded_load`` picker's window)."""
         self.source = prefix.source
+        self._window_s = window_s
+        self._decisions: deque[tuple[float, str]] = deque()   # (when, engine), one per lesson
+        self._recent: Counter[str] = Counter()
         self.started_at = time.time()
         self.feeds: PreciseIndexSource | None = None
         if prefix.source == "precise":
@@ -59,9 +65,11 @@ class IndexService:
             matched, continuing = self.memory.lookup(message.hashes)
             tiers = self.memory.tier_runs(message.hashes)
             return Matched(message.id, [EngineMatch(e, matched.get(e, 0), e in continuing, tiers.get(e, {}))
-                                        for e in matched.keys() | tiers.keys()])
+                                        for e in matched.keys() | tiers.keys()], self.recent())
         if isinstance(message, Learn):
             self.memory.learn(message.engine, message.hashes)
+            self._decisions.append((time.monotonic(), message.engine))
+            self._recent[message.engine] += 1
         elif isinstance(message, Attach):
             if self.feeds is not None:
                 self._holders.setdefault(message.engine, set()).add(peer)
@@ -74,6 +82,17 @@ class IndexService:
         elif isinstance(message, Status):
             return self.stats(message.id)
         return None
+
+    def recent(self) -> dict[str, int]:
+        """Decisions per engine over the window, every connection's."""
+        cutoff = time.monotonic() - self._window_s
+        decisions, recent = self._decisions, self._recent
+        while decisions and decisions[0][0] < cutoff:
+            _, engine = decisions.popleft()
+            recent[engine] -= 1
+            if not recent[engine]:
+                del recent[engine]
+        return dict(recent)
 
     async def _release(self, engine: str, peer: object) -> None:
         holders = self._holders.get(engine)

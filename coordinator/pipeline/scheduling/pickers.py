@@ -6,7 +6,7 @@ import itertools
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from coordinator.pipeline.scheduling.types import E, EngineView, ScoringInput
@@ -61,12 +61,14 @@ class BoundedLoadPicker:
 
     def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         self._forget(self._clock())
+        # The pod's shares when its indexer told them (every worker's decisions), else this process's.
+        counts: Mapping[str, int] = data.pod_decisions if data.pod_decisions is not None else self._counts
         # Shares within this pool only (another model's or role's engines have their own).
-        fair = (sum(self._counts[e.url] for e in engines) + 1) / len(engines)
+        fair = (sum(counts.get(e.url, 0) for e in engines) + 1) / len(engines)
         cap = max(self._factor * fair, fair + self._slack)
         lora = data.req.lora
         allowed = [i for i, e in enumerate(engines)
-                   if self._counts[e.url] + 1 <= cap or e.url in data.continuing
+                   if counts.get(e.url, 0) + 1 <= cap or e.url in data.continuing
                    or (lora is not None and e.adapters.holds(lora))]
         if not allowed:
             return self._ties(engines, scores, data)

@@ -171,7 +171,8 @@ class Scheduler:
     def _scoring_input(self, req: SchedRequest) -> ScoringInput:
         matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)
         offloaded = self.memory.offloaded(req.block_hashes, matched, req.prefix_view)
-        return ScoringInput(req, matched, self._block_size, continuing, offloaded)
+        return ScoringInput(req, matched, self._block_size, continuing, offloaded,
+                            self.memory.pod_decisions(req.prefix_view))
 
     def place_prefill(self, req: SchedRequest) -> Engine:
         """Trigger: the prefill engine for ``req``, chosen when its decode engine calls back. Among

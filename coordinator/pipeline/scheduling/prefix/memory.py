@@ -50,6 +50,7 @@ class PrefixView:
     continuing: frozenset[str]
     seen: int   # this process's lessons numbered up to here had been sent when it asked
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # engine → offload tier → leading blocks
+    recent: dict[str, int] = field(default_factory=dict)  # the pod's decisions per engine (``Matched``)
 
 
 def offloaded_blocks(cached: int, runs: Mapping[str, int], weights: Mapping[str, float]) -> float:
@@ -113,7 +114,7 @@ class PrefixMemory:
             return None
         return PrefixView({m.engine: m.blocks for m in answer.engines if m.blocks},
                           frozenset(m.engine for m in answer.engines if m.continues), seen,
-                          {m.engine: m.tiers for m in answer.engines if m.tiers})
+                          {m.engine: m.tiers for m in answer.engines if m.tiers}, answer.recent)
 
     def _lessons(self, view: PrefixView | None) -> Iterator[tuple[str, list[BlockHash]]]:
         """The lessons a lookup must read itself: those not applied (or sent) yet, and with the indexer,
@@ -171,6 +172,17 @@ class PrefixMemory:
             if n:
                 note(url, n, lands_in)
         return matched, frozenset(continuing)
+
+    def pod_decisions(self, view: PrefixView | None) -> dict[str, int] | None:
+        """Routing decisions per engine over the pod's window: the indexer's count when ``view`` was
+        answered plus this process's decisions it had not heard of yet (one lesson each). None without
+        an answer from the indexer."""
+        if view is None:
+            return None
+        counts = dict(view.recent)
+        for url, _ in self._lessons(view):
+            counts[url] = counts.get(url, 0) + 1
+        return counts
 
     def tier_runs(self, hashes: list[int] | None) -> dict[str, dict[str, int]]:
         """Leading blocks of ``hashes`` each engine holds in each offload tier of this process."""
