@@ -50,6 +50,7 @@ class Learn(msgspec.Struct, tag_field="op", tag="learn"):
 
     engine: str
     hashes: list[int]
+    cold: bool = False   # nothing of the chain was cached anywhere: the decision founded a new prefix
 
 
 class Match(msgspec.Struct, tag_field="op", tag="match"):
@@ -81,6 +82,7 @@ class Matched(msgspec.Struct, tag_field="op", tag="matched"):
     # Routing decisions per engine over the bounded-load window, from every connection's lessons: the
     # pod-wide shares the ``bounded_load`` picker bounds (each worker alone sees only its own).
     recent: dict[str, int] = {}
+    founded: dict[str, int] = {}    # ... of which were cold (``Learn.cold``)
 
 
 class Stats(msgspec.Struct, tag_field="op", tag="stats"):

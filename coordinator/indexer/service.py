@@ -36,8 +36,9 @@ class IndexService:
         ``bounded_load`` picker's window)."""
         self.source = prefix.source
         self._window_s = window_s
-        self._decisions: deque[tuple[float, str]] = deque()   # (when, engine), one per lesson
+        self._decisions: deque[tuple[float, str, bool]] = deque()   # (when, engine, cold), one per lesson
         self._recent: Counter[str] = Counter()
+        self._founded: Counter[str] = Counter()
         self.started_at = time.time()
         self.feeds: PreciseIndexSource | None = None
         if prefix.source == "precise":
@@ -65,11 +66,12 @@ class IndexService:
             matched, continuing = self.memory.lookup(message.hashes)
             tiers = self.memory.tier_runs(message.hashes)
             return Matched(message.id, [EngineMatch(e, matched.get(e, 0), e in continuing, tiers.get(e, {}))
-                                        for e in matched.keys() | tiers.keys()], self.recent())
+                                        for e in matched.keys() | tiers.keys()], *self.recent())
         if isinstance(message, Learn):
             self.memory.learn(message.engine, message.hashes)
-            self._decisions.append((time.monotonic(), message.engine))
+            self._decisions.append((time.monotonic(), message.engine, message.cold))
             self._recent[message.engine] += 1
+            self._founded[message.engine] += message.cold
         elif isinstance(message, Attach):
             if self.feeds is not None:
                 self._holders.setdefault(message.engine, set()).add(peer)
@@ -83,16 +85,15 @@ class IndexService:
             return self.stats(message.id)
         return None
 
-    def recent(self) -> dict[str, int]:
-        """Decisions per engine over the window, every connection's."""
+    def recent(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Decisions per engine over the window, every connection's, and how many of them were cold."""
         cutoff = time.monotonic() - self._window_s
-        decisions, recent = self._decisions, self._recent
+        decisions, recent, founded = self._decisions, self._recent, self._founded
         while decisions and decisions[0][0] < cutoff:
-            _, engine = decisions.popleft()
+            _, engine, cold = decisions.popleft()
             recent[engine] -= 1
-            if not recent[engine]:
-                del recent[engine]
-        return dict(recent)
+            founded[engine] -= cold
+        return +recent, +founded   # unary plus: only the positive counts
 
     async def _release(self, engine: str, peer: object) -> None:
         holders = self._holders.get(engine)

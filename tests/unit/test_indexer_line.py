@@ -109,16 +109,20 @@ async def test_every_workers_decisions_count_in_the_pods_shares(tmp_path: Path) 
         lines = [await _line(address) for _ in range(2)]
         a, b = (PrefixMemory(None, None, learn=False, remote=line) for line in lines)
         try:
-            for _ in range(3):
+            a.learn("http://e1", SHORT, cold=True)
+            for _ in range(2):
                 a.learn("http://e1", SHORT)
             a.learn("http://e2", LONG)
             a.flush()
             assert await lines[0].status() is not None
             view = await b.view(LONG)
             assert view is not None and view.recent == {"http://e1": 3, "http://e2": 1}
-            b.learn("http://e2", LONG)                  # after b asked: the indexer's count lacks it
-            assert b.pod_decisions(view) == {"http://e1": 3, "http://e2": 2}
-            assert b.pod_decisions(None) is None        # no answer: the picker counts its own
+            assert view.founded == {"http://e1": 1}
+            b.learn("http://e2", LONG, cold=True)       # after b asked: the indexer's count lacks it
+            shares = b.pod_shares(view)
+            assert shares is not None and shares.decisions == {"http://e1": 3, "http://e2": 2}
+            assert shares.founded == {"http://e1": 1, "http://e2": 1}
+            assert b.pod_shares(None) is None           # no answer: the picker counts its own
         finally:
             for line in lines:
                 await line.aclose()
@@ -127,9 +131,10 @@ async def test_every_workers_decisions_count_in_the_pods_shares(tmp_path: Path) 
 async def test_the_pods_shares_forget_decisions_past_the_window() -> None:
     service = IndexService(PrefixIndexSettings(), window_s=0.05)
     await service.handle(Learn("http://e1", SHORT))
-    assert service.recent() == {"http://e1": 1}
+    await service.handle(Learn("http://e2", SHORT, cold=True))
+    assert service.recent() == ({"http://e1": 1, "http://e2": 1}, {"http://e2": 1})
     await asyncio.sleep(0.1)
-    assert service.recent() == {}
+    assert service.recent() == ({}, {})
 
 
 async def test_no_indexer_no_wait(tmp_path: Path) -> None:

@@ -312,7 +312,9 @@ def test_bounded_load_window_forgets_old_decisions() -> None:
 
 def test_bounded_load_bounds_the_pods_shares_when_its_indexer_tells_them() -> None:
     """In a pod of workers each picker alone sees a quarter of the decisions; with the indexer's count
-    (``pod_decisions``) an engine the other workers filled is over its share here too."""
+    (``pod_shares``) an engine the other workers filled is over its share here too, and new prefixes
+    go to the engine that founded the fewest in the whole pod."""
+    from coordinator.pipeline.scheduling.prefix.memory import PodShares
     from coordinator.pipeline.scheduling.types import ScoringInput
 
     sched, reg, _index, _ = make(urls(2), learn=False, bounded_load={"factor": 1.0, "slack": 1, "window_s": 10})
@@ -321,10 +323,16 @@ def test_bounded_load_bounds_the_pods_shares_when_its_indexer_tells_them() -> No
     request = req([*SHARED, 9])
     prefers_e0 = [1.0, 0.0]
     assert picker(reg.engines, prefers_e0, ScoringInput(request, {e0.url: 10}, 16)) is e0   # alone: in share
-    pod = ScoringInput(request, {e0.url: 10}, 16, pod_decisions={e0.url: 6, e1.url: 1})
+    pod = ScoringInput(request, {e0.url: 10}, 16, pod_shares=PodShares({e0.url: 6, e1.url: 1}, {}))
     assert picker(reg.engines, prefers_e0, pod) is e1           # the pod already gave e0 more than its share
-    balanced = ScoringInput(request, {e0.url: 10}, 16, pod_decisions={e0.url: 3, e1.url: 3})
+    balanced = ScoringInput(request, {e0.url: 10}, 16, pod_shares=PodShares({e0.url: 3, e1.url: 3}, {}))
     assert picker(reg.engines, prefers_e0, balanced) is e0
+    cold = req(list(range(5000, 5100)))                         # nothing cached: it founds a new home
+    even = [0.5, 0.5]
+    founders = PodShares({e0.url: 2, e1.url: 2}, {e0.url: 0, e1.url: 2})
+    assert picker(reg.engines, even, ScoringInput(cold, {}, 16, pod_shares=founders)) is e0
+    founders = PodShares({e0.url: 2, e1.url: 2}, {e0.url: 2, e1.url: 0})
+    assert picker(reg.engines, even, ScoringInput(cold, {}, 16, pod_shares=founders)) is e1
 
 
 def test_a_continuing_conversation_keeps_its_engine_over_the_cap() -> None:

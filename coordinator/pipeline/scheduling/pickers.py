@@ -62,7 +62,9 @@ class BoundedLoadPicker:
     def __call__(self, engines: Sequence[E], scores: Sequence[float], data: ScoringInput) -> E:
         self._forget(self._clock())
         # The pod's shares when its indexer told them (every worker's decisions), else this process's.
-        counts: Mapping[str, int] = data.pod_decisions if data.pod_decisions is not None else self._counts
+        pod = data.pod_shares
+        counts: Mapping[str, int] = pod.decisions if pod is not None else self._counts
+        founded: Mapping[str, int] = pod.founded if pod is not None else self._founded
         # Shares within this pool only (another model's or role's engines have their own).
         fair = (sum(counts.get(e.url, 0) for e in engines) + 1) / len(engines)
         cap = max(self._factor * fair, fair + self._slack)
@@ -78,8 +80,8 @@ class BoundedLoadPicker:
             # tenant) that its followers will stick to. Homes are what get pinned, so spread homes:
             # the engine that founded the fewest recently, not the one with the fewest requests in
             # flight this instant (a coin flip when engines are not saturated).
-            least = min(self._founded[engines[i].url] for i in allowed)
-            allowed = [i for i in allowed if self._founded[engines[i].url] == least]
+            least = min(founded.get(engines[i].url, 0) for i in allowed)
+            allowed = [i for i in allowed if founded.get(engines[i].url, 0) == least]
         return self._ties([engines[i] for i in allowed], [scores[i] for i in allowed], data)
 
     def observe(self, engine: EngineView, data: ScoringInput) -> None:

@@ -172,7 +172,7 @@ class Scheduler:
         matched, continuing = self.memory.lookup(req.block_hashes, req.prefix_view)
         offloaded = self.memory.offloaded(req.block_hashes, matched, req.prefix_view)
         return ScoringInput(req, matched, self._block_size, continuing, offloaded,
-                            self.memory.pod_decisions(req.prefix_view))
+                            self.memory.pod_shares(req.prefix_view))
 
     def place_prefill(self, req: SchedRequest) -> Engine:
         """Trigger: the prefill engine for ``req``, chosen when its decode engine calls back. Among
@@ -298,7 +298,7 @@ class Scheduler:
             e.breaker.on_pick()
             if m is not None and not e.healthy:
                 m.panic_decisions.labels(e.role).inc()
-            self.memory.learn(e.url, req.block_hashes)
+            self.memory.learn(e.url, req.block_hashes, cold=data.cold)
         if m is not None:
             m.decisions.labels(self.profile.policy, placement.engine.url).inc()
             m.handoffs.labels(path).inc()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from coordinator.pipeline.engines.capabilities import Capability
+from coordinator.pipeline.scheduling.prefix.memory import PodShares
 from coordinator.pipeline.scheduling.request import SchedRequest
 
 
@@ -67,8 +68,8 @@ class ScoringInput:
     continuing: frozenset[str] = frozenset()  # engines where the request extends its own chain
     offloaded: dict[str, float] = field(default_factory=dict)  # engine url → weighted blocks past those,
     #                                                              held only in its offload tiers
-    pod_decisions: dict[str, int] | None = None  # the whole pod's recent decisions per engine (its
-    #                                              indexer); None: this process's own are all it knows
+    pod_shares: PodShares | None = None  # the whole pod's recent decisions per engine (its indexer);
+    #                                      None: this process's own are all it knows
 
     @property
     def cold(self) -> bool:

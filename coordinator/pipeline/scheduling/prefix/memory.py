@@ -26,7 +26,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from coordinator.contracts.hashing import BlockHash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
@@ -50,7 +50,29 @@ class PrefixView:
     continuing: frozenset[str]
     seen: int   # this process's lessons numbered up to here had been sent when it asked
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # engine → offload tier → leading blocks
-    recent: dict[str, int] = field(default_factory=dict)  # the pod's decisions per engine (``Matched``)
+    recent: dict[str, int] = field(default_factory=dict)   # the pod's decisions per engine (``Matched``)
+    founded: dict[str, int] = field(default_factory=dict)  # ... of which were cold
+
+
+@dataclass(frozen=True)
+class PodShares:
+    """The whole pod's routing decisions per engine over the bounded-load window (its indexer's count
+    plus this process's decisions it had not heard of yet), and how many of them were cold."""
+
+    decisions: dict[str, int]
+    founded: dict[str, int]
+
+
+class _Lesson(NamedTuple):
+    url: str
+    chain: list[BlockHash]
+    cold: bool           # the decision found nothing cached anywhere (``bounded_load`` counts these)
+
+
+class _Sent(NamedTuple):
+    seq: int
+    at: float
+    lesson: _Lesson
 
 
 def offloaded_blocks(cached: int, runs: Mapping[str, int], weights: Mapping[str, float]) -> float:
@@ -95,8 +117,8 @@ class PrefixMemory:
         self.tier_weights = dict(tier_weights or {})
         self._learns = learn and index is not None
         self._defer = defer
-        self._unlearned: list[tuple[str, list[BlockHash]]] = []  # (engine url, chain) not applied yet
-        self._sent: deque[tuple[int, float, str, list[BlockHash]]] = deque(maxlen=RECENT_MAX)
+        self._unlearned: list[_Lesson] = []  # not applied (or sent) yet
+        self._sent: deque[_Sent] = deque(maxlen=RECENT_MAX)
         self._sent_seq = 0
 
     @property
@@ -114,19 +136,25 @@ class PrefixMemory:
             return None
         return PrefixView({m.engine: m.blocks for m in answer.engines if m.blocks},
                           frozenset(m.engine for m in answer.engines if m.continues), seen,
-                          {m.engine: m.tiers for m in answer.engines if m.tiers}, answer.recent)
+                          {m.engine: m.tiers for m in answer.engines if m.tiers}, answer.recent,
+                          answer.founded)
 
-    def _lessons(self, view: PrefixView | None) -> Iterator[tuple[str, list[BlockHash]]]:
-        """The lessons a lookup must read itself: those not applied (or sent) yet, and with the indexer,
+    def _unseen(self, view: PrefixView | None) -> Iterator[_Lesson]:
+        """The lessons the indexer's answer lacks: those not applied (or sent) yet, and with the indexer,
         those sent after ``view`` was asked for (all recent ones when there is no view)."""
         yield from self._unlearned
         if self.remote is None:
             return
         seen = view.seen if view is not None else -1
-        for seq, _, url, chain in reversed(self._sent):
-            if seq <= seen:
+        for sent in reversed(self._sent):
+            if sent.seq <= seen:
                 break
-            yield url, chain
+            yield sent.lesson
+
+    def _lessons(self, view: PrefixView | None) -> Iterator[tuple[str, list[BlockHash]]]:
+        """The lessons a lookup must read itself (``_unseen``), as (engine url, chain)."""
+        for lesson in self._unseen(view):
+            yield lesson.url, lesson.chain
 
     def lookup(self, hashes: list[int] | None,
                view: PrefixView | None = None) -> tuple[dict[str, int], frozenset[str]]:
@@ -173,16 +201,18 @@ class PrefixMemory:
                 note(url, n, lands_in)
         return matched, frozenset(continuing)
 
-    def pod_decisions(self, view: PrefixView | None) -> dict[str, int] | None:
-        """Routing decisions per engine over the pod's window: the indexer's count when ``view`` was
+    def pod_shares(self, view: PrefixView | None) -> PodShares | None:
+        """The pod's decisions per engine over its window: the indexer's count when ``view`` was
         answered plus this process's decisions it had not heard of yet (one lesson each). None without
         an answer from the indexer."""
         if view is None:
             return None
-        counts = dict(view.recent)
-        for url, _ in self._lessons(view):
-            counts[url] = counts.get(url, 0) + 1
-        return counts
+        decisions, founded = dict(view.recent), dict(view.founded)
+        for lesson in self._unseen(view):
+            decisions[lesson.url] = decisions.get(lesson.url, 0) + 1
+            if lesson.cold:
+                founded[lesson.url] = founded.get(lesson.url, 0) + 1
+        return PodShares(decisions, founded)
 
     def tier_runs(self, hashes: list[int] | None) -> dict[str, dict[str, int]]:
         """Leading blocks of ``hashes`` each engine holds in each offload tier of this process."""
@@ -207,11 +237,12 @@ class PrefixMemory:
                 out[url] = extra
         return out
 
-    def learn(self, engine_url: str, hashes: list[BlockHash] | None) -> None:
-        """A placement's lesson: ``engine_url`` now holds (or is about to hold) this chain."""
+    def learn(self, engine_url: str, hashes: list[BlockHash] | None, *, cold: bool = False) -> None:
+        """A placement's lesson: ``engine_url`` now holds (or is about to hold) this chain (``cold``:
+        nothing of it was cached anywhere)."""
         if not hashes or not (self._learns or self.pending is not None or self.remote is not None):
             return
-        self._unlearned.append((engine_url, hashes))
+        self._unlearned.append(_Lesson(engine_url, hashes, cold))
         if self._defer is None:
             self.flush()
         elif len(self._unlearned) == 1:
@@ -224,14 +255,14 @@ class PrefixMemory:
         if self.remote is not None:
             now = time.monotonic()
             sent = self._sent
-            while sent and sent[0][1] < now - RECENT_S:
+            while sent and sent[0].at < now - RECENT_S:
                 sent.popleft()
-            for url, hashes in batch:
-                self.remote.learn(url, hashes)
+            for lesson in batch:
+                self.remote.learn(lesson.url, lesson.chain, lesson.cold)
                 self._sent_seq += 1
-                sent.append((self._sent_seq, now, url, hashes))
+                sent.append(_Sent(self._sent_seq, now, lesson))
             return
-        for url, hashes in batch:
+        for url, hashes, _ in batch:
             if self._learns and self.index is not None:
                 self.index.add(url, hashes)
             if self.pending is not None:
@@ -239,10 +270,10 @@ class PrefixMemory:
 
     def forget(self, engine_url: str) -> None:
         """An engine left (or lost its cache): nothing is known to be cached there any more."""
-        self._unlearned = [(url, hashes) for url, hashes in self._unlearned if url != engine_url]
+        self._unlearned = [lesson for lesson in self._unlearned if lesson.url != engine_url]
         if self.remote is not None:
             self.remote.forget(engine_url)
-            kept = [lesson for lesson in self._sent if lesson[2] != engine_url]
+            kept = [sent for sent in self._sent if sent.lesson.url != engine_url]
             self._sent.clear()
             self._sent.extend(kept)
         for index in (self.index, self.pending, *self.tiers.values()):

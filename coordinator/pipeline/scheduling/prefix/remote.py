@@ -90,8 +90,8 @@ class RemoteIndex:
         reply = await self._ask(Status)
         return reply if isinstance(reply, Stats) else None
 
-    def learn(self, engine: str, hashes: list[int]) -> None:
-        self._send(Learn(engine, hashes))
+    def learn(self, engine: str, hashes: list[int], cold: bool = False) -> None:
+        self._send(Learn(engine, hashes, cold))
 
     def forget(self, engine: str) -> None:
         self._send(Forget(engine))
