@@ -294,3 +294,25 @@ async def sim_cache_counts(client: Any, sims: Sequence[str]) -> tuple[float, flo
         hits += float(state["hits"])
         queries += float(state["queries"])
     return hits, queries
+
+
+@contextmanager
+def render_sidecar(url: str | None, say: Callable[[str], None], *,
+                   max_model_len: int | None = None) -> Iterator[str]:
+    """``url`` when given (a running sidecar), else a real vLLM render sidecar started here for the
+    benchmark's duration (the model prepared first, with progress)."""
+    if url:
+        yield url
+        return
+    from render_sidecar.launch import RenderSidecar
+    from token_engine.model_prep import ensure_model
+
+    say("preparing model, starting the render sidecar (real vLLM)")
+    extra: dict[str, Any] = {} if max_model_len is None else {"max_model_len": max_model_len}
+    render = RenderSidecar(ensure_model(), port=free_port(), served_model_name=SERVED, echo=False, **extra)
+    render.start()
+    try:
+        render.wait_ready(timeout=600)
+        yield render.url
+    finally:
+        render.stop()

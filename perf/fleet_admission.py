@@ -42,9 +42,8 @@ from typing import Any
 
 import httpx
 
-from perf._procs import CoordinatorProcess, RedisServer, sim_engines
+from perf._procs import CoordinatorProcess, RedisServer, render_sidecar, sim_engines
 from perf._report import Progress, final_json, save_figure, write_report
-from perf.overload import render_sidecar
 
 NAME = "fleet_admission"
 SERVED = "smollm2-135m-instruct"

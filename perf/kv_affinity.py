@@ -62,9 +62,10 @@ from coordinator.config import (
     SchedulingSettings,
     Settings,
 )
-from coordinator.embedded import EmbeddedCoordinator, free_port
+from coordinator.embedded import EmbeddedCoordinator
 from coordinator.pipeline.scheduling.pickers import MaxScorePicker
 from coordinator.pipeline.scheduling.types import E, EngineView, ScoringInput
+from perf._procs import render_sidecar
 from perf._report import Progress, final_json, save_figure, summary_ms, write_report
 from token_engine.simulator import PrefixCache, SimConfig, SimulatedEngine
 from token_engine.simulator.prefix_cache import block_hashes as sim_block_hashes
@@ -676,18 +677,7 @@ def main(argv: list[str] | None = None) -> None:
         f"blocks vs {args.capacity_blocks} per engine; ceiling hit rate {ceil['hit_rate_tokens']} (tokens)")
 
     with ExitStack() as stack:
-        render_url = args.render_url
-        if render_url is None:
-            from render_sidecar.launch import RenderSidecar
-            from token_engine.model_prep import ensure_model
-
-            say("preparing model, starting render sidecar (real vLLM)")
-            render = RenderSidecar(ensure_model(), port=free_port(), served_model_name=SERVED,
-                                   max_model_len=max_model_len, echo=False)
-            render.start()
-            stack.callback(render.stop)
-            render.wait_ready(timeout=600)
-            render_url = render.url
+        render_url = stack.enter_context(render_sidecar(args.render_url, say, max_model_len=max_model_len))
         results: dict[str, dict[str, Any]] = {}
         for p in policies:
             say(f"{p}: fresh coordinator and {ENGINES} engines, {len(schedule)} requests")

@@ -49,9 +49,8 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -66,8 +65,8 @@ from coordinator.config import (
     RenderSettings,
     Settings,
 )
-from coordinator.embedded import EmbeddedCoordinator, free_port
-from perf._procs import sim_engines
+from coordinator.embedded import EmbeddedCoordinator
+from perf._procs import render_sidecar, sim_engines
 from perf._report import Progress, final_json, pct, save_figure, write_report
 
 NAME = "overload"
@@ -318,24 +317,6 @@ def timeline(outs: list[Outcome], duration_s: float, slo_s: float,
 
 
 # ------------------------------------------------------------------------------------------ main
-@contextmanager
-def render_sidecar(url: str | None, say: Progress) -> Iterator[str]:
-    if url:
-        yield url
-        return
-    from render_sidecar.launch import RenderSidecar
-    from token_engine.model_prep import ensure_model
-
-    say("starting the render sidecar (real vLLM)")
-    render = RenderSidecar(ensure_model(), port=free_port(), served_model_name=SERVED, echo=False)
-    render.start()
-    try:
-        render.wait_ready(timeout=600)
-        yield render.url
-    finally:
-        render.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=4)
