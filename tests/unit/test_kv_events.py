@@ -43,10 +43,10 @@ def eh(tokens: list[int], tag: str = "") -> bytes:
 
 def stored(tokens: list[int], hashes: list[Any], parent: Any = None, block_size: int = BS,
            medium: str | None = "GPU", lora_name: str | None = None,
-           extra_keys: list[Any] | None = None) -> Any:
+           extra_keys: list[Any] | None = None, **more: Any) -> Any:
     return kv.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                           block_size=block_size, lora_id=None, medium=medium, lora_name=lora_name,
-                          extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind="full_attention")
+                          extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind="full_attention", **more)
 
 
 def removed(hashes: list[Any], medium: str | None = "GPU") -> Any:
@@ -176,7 +176,8 @@ def test_offload_tiers_have_indexes_of_their_own(index: PrefixIndex) -> None:
     toks, hs = run_of(PROMPT, BS)  # 18 blocks
     mirror.apply_payload(payload(stored(toks[:6 * BS], hs[:6])))                         # GPU: 6
     mirror.apply_payload(payload(stored(toks[:6 * BS], hs[:6], medium="CPU"),              # CPU: 18,
-                                 stored(toks[6 * BS:], hs[6:], parent=hs[5], medium="cpu")))  # any case
+                                 stored(toks[6 * BS:], hs[6:], parent=hs[5], medium="cpu",    # any case,
+                                        locality="LOCAL", ownership="tier-1")))  # a secondary tier's fields
     assert index.match(ours(PROMPT)) == {ENGINE: 6}
     assert cpu.match(ours(PROMPT)) == {ENGINE: 18}
     assert storage.match(ours(PROMPT)) == {}
