@@ -189,6 +189,16 @@ async def test_a_cpu_offload_tier_publishes_its_own_events_and_serves_evicted_pr
         assert len(cpu_removed) == 1 and set(cpu_removed[0].block_hashes) <= set(ext(a) + ext(b))
 
 
+def test_the_cpu_tier_serves_evicted_prefixes_without_kv_events_too() -> None:
+    """The tier is the engine's, not the events': an engine that publishes nothing still loads back."""
+    cache = PrefixCache(4, 2, offload_blocks=8)
+    a, b = list(range(100, 109)), list(range(300, 309))       # 2 full blocks each
+    cache.insert(a)
+    cache.insert(b)                                           # the GPU (2 blocks) evicts a's
+    assert cache.lookup(a) == 8 and cache.last_loaded == 8    # both of a's blocks come from the tier
+    assert cache.stats.hits == 0 and cache.stats.offload_hits == 8 and cache.offloaded_len == 4
+
+
 async def test_a_consumer_can_rebuild_the_cache_from_events(vllm_kv: Any) -> None:
     """Replaying stored/removed events gives exactly the simulator's cache, and every stored run's parent
     is a block the consumer already knows (so it can follow parent_block_hash)."""

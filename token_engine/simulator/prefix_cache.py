@@ -133,10 +133,6 @@ class PrefixCache:
         """Blocks the CPU tier holds."""
         return len(self._offloaded)
 
-    def offloaded(self, block_hash: object) -> bool:
-        """Whether the CPU tier holds this block."""
-        return block_hash in self._offloaded
-
     def _touch(self, hashes: Sequence[BlockHash], blocks: OrderedDict[BlockHash, None] | None = None) -> None:
         """Most recently used, tail block first: the tail is evicted before its parents."""
         blocks = self._blocks if blocks is None else blocks
@@ -180,42 +176,38 @@ class PrefixCache:
         if not self.enabled:
             return
         hashes = block_hashes(token_ids, self.block_size, salt, lora[0] if lora else None, media)
-        # Blocks are chained and parents outlive children, so the new blocks are a suffix.
-        first_new = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
-        self._touch(hashes)
-        evicted: list[BlockHash] = []
-        while len(self._blocks) > self.capacity_blocks:
-            evicted.append(self._blocks.popitem(last=False)[0])
-            self.stats.evictions += 1
-        if self.on_events is None:
-            return
-        new = set(hashes[first_new:])
-        events: list[KVEvent] = [self._removed(h) for h in evicted if h not in new]
-        if first_new < len(hashes):
-            events.append(self._stored(hashes, first_new, token_ids, salt, lora, media))
-        events.extend(self._removed(h) for h in evicted if h in new)
-        if self.offload_blocks:
-            events.extend(self._offload(hashes, token_ids, salt, lora, media))
-        self.on_events(events)
-
-    def _offload(self, hashes: list[BlockHash], token_ids: Sequence[int], salt: str | None,
-                 lora: tuple[str, int] | None, media: Sequence[MediaItem]) -> list[KVEvent]:
-        """Store the computed blocks to the CPU tier too (what it lacks of them is a suffix, as in the
-        GPU's cache) and evict its oldest beyond ``offload_blocks``: the tier's events."""
-        tier = self._offloaded
-        first_new = next((i for i, h in enumerate(hashes) if h not in tier), len(hashes))
-        self._touch(hashes, tier)
-        evicted: list[BlockHash] = []
-        while len(tier) > self.offload_blocks:
-            evicted.append(tier.popitem(last=False)[0])
-            self.stats.offload_evictions += 1
+        first_new, evicted = self._store(self._blocks, hashes, self.capacity_blocks)
+        self.stats.evictions += len(evicted)
         events: list[KVEvent] = []
-        if first_new < len(hashes):
-            events.append(self._stored(hashes, first_new, token_ids, salt, lora, media, medium=MEDIUM_CPU))
-        if evicted:
-            events.append(BlockRemoved(block_hashes=[self._ext(h) for h in evicted], medium=MEDIUM_CPU,
-                                       group_idx=0))
-        return events
+        if self.on_events is not None:
+            new = set(hashes[first_new:])
+            events += [self._removed(h) for h in evicted if h not in new]
+            if first_new < len(hashes):
+                events.append(self._stored(hashes, first_new, token_ids, salt, lora, media))
+            events.extend(self._removed(h) for h in evicted if h in new)
+        if self.offload_blocks:  # the offloading connector stores every computed block to its tier too
+            first_new, evicted = self._store(self._offloaded, hashes, self.offload_blocks)
+            self.stats.offload_evictions += len(evicted)
+            if self.on_events is not None and first_new < len(hashes):
+                events.append(self._stored(hashes, first_new, token_ids, salt, lora, media,
+                                           medium=MEDIUM_CPU))
+            if self.on_events is not None and evicted:
+                events.append(BlockRemoved(block_hashes=[self._ext(h) for h in evicted], medium=MEDIUM_CPU,
+                                           group_idx=0))
+        if self.on_events is not None:
+            self.on_events(events)
+
+    def _store(self, blocks: OrderedDict[BlockHash, None], hashes: list[BlockHash],
+               capacity: int) -> tuple[int, list[BlockHash]]:
+        """Put a prompt's chain in ``blocks`` (the GPU's cache or the CPU tier, both LRUs): where its new
+        blocks start (a suffix: blocks are chained and parents outlive children) and what left past
+        ``capacity``."""
+        first_new = next((i for i, h in enumerate(hashes) if h not in blocks), len(hashes))
+        self._touch(hashes, blocks)
+        evicted: list[BlockHash] = []
+        while len(blocks) > capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        return first_new, evicted
 
     def clear(self) -> None:
         """Drop every cached block (vLLM's `reset_prefix_cache`, the CPU tier's too); counters are kept."""
