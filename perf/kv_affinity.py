@@ -470,20 +470,43 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_lo
             states = [httpx.get(f"{s.url}/sim/state", timeout=10).json() for s in sims]
             index_hit = _scraped(url, "coordinator_prefix_hit_ratio")
         return _figures(policy, schedule, samples, states, index_hit, wall)
-    with ExitStack() as stack:
-        sims = stack.enter_context(engine_process(
-            [model.sim_config(i, policy == "affinity_precise") for i in range(ENGINES)]))
-        coord = EmbeddedCoordinator(_settings(policy, render_url, sims, model.max_model_len))
-        if policy == "oracle":
-            profile = coord.components.scheduler.profile
-            caches: dict[str, CacheView] = {s.url: s.cache for s in sims}
-            profile.scorers = [(OracleScorer(caches), 1.0)]
-            profile.picker = LeastLoadTiePicker()
-            profile.policy = "oracle"
-        elif policy == "affinity_unbounded":
-            coord.components.scheduler.profile.picker = MaxScorePicker()
-        stack.enter_context(coord)
-        if policy == "affinity_precise":
+    with engine_process([model.sim_config(i, policy == "affinity_precise") for i in range(ENGINES)]) as sims:
+
+        def prepare(coord: EmbeddedCoordinator) -> None:
+            if policy == "oracle":
+                profile = coord.components.scheduler.profile
+                caches: dict[str, CacheView] = {s.url: s.cache for s in sims}
+                profile.scorers = [(OracleScorer(caches), 1.0)]
+                profile.picker = LeastLoadTiePicker()
+                profile.policy = "oracle"
+            elif policy == "affinity_unbounded":
+                coord.components.scheduler.profile.picker = MaxScorePicker()
+
+        run = drive_embedded(_settings(policy, render_url, sims, model.max_model_len), sims, schedule,
+                             closed_loop, concurrency, max_tokens, say, precise=policy == "affinity_precise",
+                             prepare=prepare)
+    return _figures(policy, schedule, run.samples, run.states, run.index_hit, run.wall)
+
+
+@dataclass
+class EmbeddedRun:
+    samples: list[Sample]
+    states: list[dict[str, Any]]   # each engine's /sim/state after the run
+    wall: float
+    index_hit: float | None        # the coordinator's own prefix hit ratio
+
+
+def drive_embedded(settings: Settings, sims: Sequence[EngineHandle], schedule: Sequence[Turn],
+                   closed_loop: bool, concurrency: int, max_tokens: int, say: Callable[[str], None], *,
+                   precise: bool,
+                   prepare: Callable[[EmbeddedCoordinator], None] | None = None) -> EmbeddedRun:
+    """The schedule through a coordinator embedded here (``prepare`` may swap its scorers or picker
+    first; ``precise``: wait for its KV-event subscriptions), until it is idle again."""
+    coord = EmbeddedCoordinator(settings)
+    if prepare is not None:
+        prepare(coord)
+    with coord:
+        if precise:
             _handshake_kv_events(coord, sims)
         t0 = time.monotonic()
         samples = asyncio.run(_drive(f"{coord.url}/v1/completions", schedule, closed_loop, concurrency,
@@ -492,7 +515,7 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], closed_lo
         coord.wait_idle()
         states = [httpx.get(f"{s.url}/sim/state", timeout=10).json() for s in sims]
         index_hit = coord.components.metrics.registry.get_sample_value("coordinator_prefix_hit_ratio")
-    return _figures(policy, schedule, samples, states, index_hit, wall)
+    return EmbeddedRun(samples, states, wall, index_hit)
 
 
 def _figures(policy: str, schedule: Sequence[Turn], samples: Sequence[Sample], states: list[dict[str, Any]],

@@ -25,15 +25,11 @@ TTFT p90 and of tokens computed. No target in the issue: the ratios are what the
 from __future__ import annotations
 
 import argparse
-import asyncio
-import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from coordinator.config import (
     EngineSettings,
@@ -43,7 +39,6 @@ from coordinator.config import (
     SchedulingSettings,
     Settings,
 )
-from coordinator.embedded import EmbeddedCoordinator
 from perf._procs import render_sidecar
 from perf._report import Progress, final_json, save_figure, summary_ms, write_report
 from perf.kv_affinity import (
@@ -54,9 +49,8 @@ from perf.kv_affinity import (
     EngineModel,
     Turn,
     Workload,
-    _drive,
-    _handshake_kv_events,
     build_schedule,
+    drive_embedded,
     engine_process,
 )
 
@@ -81,18 +75,11 @@ def _settings(policy: str, render_url: str, sims: Sequence[EngineHandle], max_mo
 
 def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], model: EngineModel, concurrency: int,
                max_tokens: int, pending_ttl_s: float, say: Callable[[str], None]) -> dict[str, Any]:
-    with ExitStack() as stack:
-        sims = stack.enter_context(engine_process([model.sim_config(i, True) for i in range(ENGINES)]))
-        coord = EmbeddedCoordinator(_settings(policy, render_url, sims, model.max_model_len, pending_ttl_s))
-        stack.enter_context(coord)
-        if policy != "round_robin":
-            _handshake_kv_events(coord, sims)
-        t0 = time.monotonic()
-        samples = asyncio.run(_drive(f"{coord.url}/v1/completions", schedule, False, concurrency,
-                                     max_tokens, say))
-        wall = time.monotonic() - t0
-        coord.wait_idle()
-        caches = [httpx.get(f"{s.url}/sim/state", timeout=10).json()["prefix_cache"] for s in sims]
+    with engine_process([model.sim_config(i, True) for i in range(ENGINES)]) as sims:
+        run = drive_embedded(_settings(policy, render_url, sims, model.max_model_len, pending_ttl_s), sims,
+                             schedule, False, concurrency, max_tokens, say, precise=policy != "round_robin")
+    caches = [state["prefix_cache"] for state in run.states]
+    samples = run.samples
     queries = sum(c["queries"] for c in caches)
     hits = sum(c["hits"] for c in caches)
     loaded = sum(c["offload_hits"] for c in caches)
@@ -102,7 +89,7 @@ def run_policy(policy: str, render_url: str, schedule: Sequence[Turn], model: En
             "offload_hit_rate": round(loaded / queries, 4) if queries else 0.0,
             "computed_tokens": queries - hits - loaded, "prompt_tokens": queries,
             "evictions": sum(c["evictions"] for c in caches), "errors": sum(not s.ok for s in samples),
-            "wall_s": round(wall, 2)}
+            "wall_s": round(run.wall, 2)}
 
 
 def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
