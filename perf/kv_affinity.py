@@ -139,6 +139,13 @@ def build_schedule(w: Workload) -> list[Turn]:
     return sorted(out, key=lambda t: (t.at, t.user))
 
 
+def context_length(schedule: Sequence[Turn], max_tokens: int) -> int:
+    """The engines' and render's ``max_model_len`` for a schedule: its longest prompt and answer, to a
+    power of two (2,048 at least)."""
+    longest = max(len(t.prompt) for t in schedule) + max_tokens
+    return max(2048, 1 << (longest - 1).bit_length())
+
+
 def working_set_blocks(schedule: Sequence[Turn]) -> int:
     """Distinct full blocks of the final prompts: what one cache would need to hit on everything."""
     last = {t.user: t.prompt for t in schedule}
@@ -690,14 +697,14 @@ def main(argv: list[str] | None = None) -> None:
     work = Workload(args.tenants, args.users, args.turns, args.system_tokens, lo, hi, args.think_s,
                     args.ramp_s, args.seed)
     schedule = build_schedule(work)
-    longest = max(len(t.prompt) for t in schedule) + args.max_tokens
-    max_model_len = max(2048, 1 << (longest - 1).bit_length())
+    max_model_len = context_length(schedule, args.max_tokens)
     model = EngineModel(args.capacity_blocks, args.slots, args.prefill_ms / 1000, args.decode_ms / 1000,
                         args.ttft_ms / 1000, max_model_len)
     ws = working_set_blocks(schedule)
     ceil = ceiling(schedule)
-    say(f"{len(schedule)} requests, longest prompt {longest - args.max_tokens} tokens, working set {ws} "
-        f"blocks vs {args.capacity_blocks} per engine; ceiling hit rate {ceil['hit_rate_tokens']} (tokens)")
+    say(f"{len(schedule)} requests, longest prompt {max(len(t.prompt) for t in schedule)} tokens, "
+        f"working set {ws} blocks vs {args.capacity_blocks} per engine; ceiling hit rate "
+        f"{ceil['hit_rate_tokens']} (tokens)")
 
     with ExitStack() as stack:
         render_url = stack.enter_context(render_sidecar(args.render_url, say, max_model_len=max_model_len))

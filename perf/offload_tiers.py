@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from perf.kv_affinity import (
     Turn,
     Workload,
     build_schedule,
+    context_length,
     drive_embedded,
     engine_process,
 )
@@ -192,14 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     work = Workload(args.tenants, args.users, args.turns, args.system_tokens, 100, 200, args.think_s,
                     args.ramp_s, args.seed)
     schedule = build_schedule(work)
-    longest = max(len(t.prompt) for t in schedule) + args.max_tokens
-    max_model_len = max(2048, 1 << (longest - 1).bit_length())
+    max_model_len = context_length(schedule, args.max_tokens)
     model = EngineModel(args.capacity_blocks, 4, args.prefill_ms / 1000, 0.005, 0.01, max_model_len,
                         offload_blocks=args.offload_blocks)
     say(f"{len(schedule)} requests, {ENGINES} engines: {args.capacity_blocks} cache blocks + "
         f"{args.offload_blocks} CPU-tier blocks each")
-    with ExitStack() as stack:
-        render_url = stack.enter_context(render_sidecar(args.render_url, say, max_model_len=max_model_len))
+    with render_sidecar(args.render_url, say, max_model_len=max_model_len) as render_url:
         results: dict[str, dict[str, Any]] = {}
         for p in policies:
             say(f"{p}: fresh coordinator and {ENGINES} engines")
