@@ -72,6 +72,7 @@ class IndexService:
             self._decisions.append((time.monotonic(), message.engine, message.cold))
             self._recent[message.engine] += 1
             self._founded[message.engine] += message.cold
+            self._expire()   # here too: workers that score no prefix send lessons but never ask
         elif isinstance(message, Attach):
             if self.feeds is not None:
                 self._holders.setdefault(message.engine, set()).add(peer)
@@ -87,13 +88,16 @@ class IndexService:
 
     def recent(self) -> tuple[dict[str, int], dict[str, int]]:
         """Decisions per engine over the window, every connection's, and how many of them were cold."""
+        self._expire()
+        return +self._recent, +self._founded   # unary plus: only the positive counts
+
+    def _expire(self) -> None:
         cutoff = time.monotonic() - self._window_s
         decisions, recent, founded = self._decisions, self._recent, self._founded
         while decisions and decisions[0][0] < cutoff:
             _, engine, cold = decisions.popleft()
             recent[engine] -= 1
             founded[engine] -= cold
-        return +recent, +founded   # unary plus: only the positive counts
 
     async def _release(self, engine: str, peer: object) -> None:
         holders = self._holders.get(engine)
