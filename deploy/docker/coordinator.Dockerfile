@@ -10,6 +10,12 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # Build a wheel in a throw-away stage, so the source tree and build tools stay out of the image.
 FROM ${PYTHON_IMAGE} AS build
+# gcc: the block-hash chain's C extension (coordinator/contracts/_chain.c), built into the wheel; only
+# this stage has a compiler. Debian stable's versions are the ones wanted.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY coordinator ./coordinator
