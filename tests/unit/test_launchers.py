@@ -25,6 +25,7 @@ def test_engine_cpu_argv_has_model_flag_numerics_and_request_logging(tmp_path: P
     assert _flag(argv, "--model") == str(tmp_path)
     assert str(tmp_path) not in argv[3:argv.index("--model")]  # never positional
     assert _flag(argv, "--dtype") == "float32" and "--enforce-eager" in argv
+    assert _flag(argv, "--distributed-executor-backend") == "uni"   # one process fewer per boot
     assert _flag(argv, "--max-model-len") == "2048" and _flag(argv, "--port") == "8299"
     assert "--tokens-only" in argv and "--enable-scale-out" not in argv
     assert "--enable-log-requests" in argv
@@ -33,6 +34,7 @@ def test_engine_cpu_argv_has_model_flag_numerics_and_request_logging(tmp_path: P
 def test_engine_gpu_argv_drops_cpu_only_flags(tmp_path: Path) -> None:
     argv = VllmEngine(tmp_path, cpu=False, mode="scale-out", enable_log_requests=False).build_argv()
     assert "--dtype" not in argv and "--enforce-eager" not in argv
+    assert "--distributed-executor-backend" not in argv   # GPUs: vLLM's choice (tensor parallel needs mp)
     assert "--enable-scale-out" in argv and "--tokens-only" not in argv
     assert "--enable-log-requests" not in argv
 
@@ -89,6 +91,7 @@ def test_cpu_env_sets_the_quirk_fixes_and_respects_user_values() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"   # else the CPU platform undoes ``uni``
     assert env["PATH"] == "/bin"
     user = {"VLLM_CPU_KVCACHE_SPACE": "4"}
     assert vllm_env(user, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "4"
@@ -98,6 +101,7 @@ def test_cpu_env_sets_the_quirk_fixes_and_respects_user_values() -> None:
 def test_gpu_env_has_no_cpu_settings() -> None:
     env = vllm_env({}, cpu=False)
     assert "VLLM_TARGET_DEVICE" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     assert env["HF_HUB_OFFLINE"] == "1"
 
 
