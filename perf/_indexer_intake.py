@@ -96,9 +96,23 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
 
 def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                  say: Say) -> dict[str, Any]:
+                  say: Say, pure_python: bool = False) -> dict[str, Any]:
     """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
-    indexer; idle, then busy."""
+    indexer; idle, then busy. ``pure_python``: the pod's processes run without the C extensions
+    (``LLMC_PURE_PYTHON=1``, the baseline)."""
+    if pure_python:
+        os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
+    try:
+        return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
+                              interval_s=interval_s, batches_per_s=batches_per_s,
+                              blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say)
+    finally:
+        os.environ.pop("LLMC_PURE_PYTHON", None)
+
+
+def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
+                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
+                   say: Say) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
     address = f"unix:{Path(folder) / 'indexer.sock'}"
@@ -145,7 +159,8 @@ def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: in
                     "blocks_applied_per_s": round(applied / elapsed),
                     "unanswered": sum(r["unanswered"] for r in results)}
 
-        say(f"kv intake, pod indexer: {engines} engines over ZMQ, {workers} worker(s) x {decisions} "
+        say(f"kv intake, pod indexer{' (pure Python)' * (os.environ.get('LLMC_PURE_PYTHON') == '1')}: "
+            f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms, publishers idle then busy")
         idle = phase("idle")
         pub_parent.send("go")

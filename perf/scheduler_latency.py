@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.config import PrefixIndexSettings
-from coordinator.contracts.hashing import block_hashes, chain_seed
-from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.contracts.hashing import NATIVE_CHAIN, block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix.index import NATIVE_INDEX, PrefixIndex
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler
 from perf._indexer_intake import kv_intake_pod
@@ -294,6 +294,11 @@ def main(argv: list[str] | None = None) -> None:
                                  blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=n,
                                  say=say)
            for n in (1, args.intake_workers)}
+    pure = kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
+                         decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
+                         batches_per_s=args.intake_batches_per_s,
+                         blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=1, say=say,
+                         pure_python=True)
     one, many = pod["1"], pod[str(args.intake_workers)]
     pod_targets = {
         "lateness_p99": one["busy_lateness_p99_ms"] <= INTAKE_LATENESS_P99_MS
@@ -322,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         "scale": scale, "intake": intake, "intake_pod": pod, "intake_pod_targets": pod_targets,
         "intake_workers_cpu_ratio": round(many["intake_cpu_us_per_block"]
                                           / max(0.01, one["intake_cpu_us_per_block"]), 2),
+        "intake_pod_pure_python": pure, "native_extensions": NATIVE_CHAIN and NATIVE_INDEX,
+        "intake_native_vs_pure_ratio": round(one["intake_cpu_us_per_block"]
+                                             / max(0.01, pure["intake_cpu_us_per_block"]), 2),
         "scale_target": {"p50_ms": SCALE_P50_MS, "p99_ms": SCALE_P99_MS},
         "scale_target_met": (scale["parts"]["decision"]["p50_ms"] <= SCALE_P50_MS
                              and scale["parts"]["decision"]["p99_ms"] <= SCALE_P99_MS),
@@ -351,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
                 "pod_intake_cpu_us_per_block": one["intake_cpu_us_per_block"],
                 f"pod_intake_{args.intake_workers}_workers_cpu_us_per_block": many["intake_cpu_us_per_block"],
                 "pod_intake_workers_cpu_ratio": figures["intake_workers_cpu_ratio"],
+                "pod_intake_pure_python_cpu_us_per_block": pure["intake_cpu_us_per_block"],
+                "pod_intake_native_vs_pure_ratio": figures["intake_native_vs_pure_ratio"],
                 "pod_intake_targets": pod_targets})
 
 
@@ -439,9 +449,11 @@ def _pod_markdown(f: dict[str, Any]) -> str:
                 f"{ib['decision']['p99_ms']:.3f} | "
                 f"{ib['lateness']['p50_ms']:.3f} / {ib['lateness']['p99_ms']:.3f} | "
                 f"{it['intake_cpu_us_per_block']} | {it['published_blocks']:,} / n/a | {it['gaps']} | n/a |")
-    for n, r in pod.items():
+    named = [(f"pod indexer process{', pure Python (baseline)' * (r is f['intake_pod_pure_python'])}", n, r)
+             for n, r in [*pod.items(), ("1", f["intake_pod_pure_python"])]]
+    for where, n, r in named:
         b = r["busy"]
-        rows.append(f"| pod indexer process | {n} | {b['decision']['p50_ms']:.3f} / "
+        rows.append(f"| {where} | {n} | {b['decision']['p50_ms']:.3f} / "
                     f"{b['decision']['p99_ms']:.3f} | "
                     f"{b['lateness']['p50_ms']:.3f} / {b['lateness']['p99_ms']:.3f} | "
                     f"{r['intake_cpu_us_per_block']} | {r['published_blocks']:,} / {r['applied_blocks']:,} | "
@@ -458,7 +470,10 @@ def _pod_markdown(f: dict[str, Any]) -> str:
             f"{INTAKE_LATENESS_P50_MS} ms {met('lateness_p50')}; intake ≤ {INTAKE_CPU_US_PER_BLOCK} µs per "
             f"block {met('cpu_per_block')}; {max(map(int, pod))} workers ≤ {INTAKE_WORKERS_RATIO}x the "
             f"intake CPU of 1 ({f['intake_workers_cpu_ratio']}x) {met('workers_cpu_ratio')}; every published "
-            f"block applied, no gaps {met('every_block_applied')}.")
+            f"block applied, no gaps {met('every_block_applied')}. With the C extensions (block hashes, "
+            f"index add/remove; built: {f['native_extensions']}) the pod's intake costs "
+            f"{f['intake_native_vs_pure_ratio']}x its pure-Python cost (`LLMC_PURE_PYTHON=1`), "
+            "measured in this run.")
 
 
 def _plot(f: dict[str, Any], path: Path) -> None:

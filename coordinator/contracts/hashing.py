@@ -36,6 +36,7 @@ the same way at any index block size dividing the engine's.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from itertools import count
 from typing import Any
@@ -44,6 +45,8 @@ import numpy as np
 
 _native_chain: Callable[[Sequence[int], int, int, int], list[int]] | None
 try:
+    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+        raise ImportError("LLMC_PURE_PYTHON=1")
     from coordinator.contracts._chain import chain as _native_chain
 except ImportError:  # built without a C compiler: the same hashes, computed in Python
     _native_chain = None

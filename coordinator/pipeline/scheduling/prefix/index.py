@@ -12,6 +12,7 @@ and set operations) and run Python code only for blocks shared between engines.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -20,6 +21,16 @@ from itertools import compress, islice, repeat, takewhile
 from operator import eq, is_, is_not
 
 from coordinator.contracts.hashing import BlockHash
+
+try:  # ``add``/``remove`` over the same dicts in one C call each (``_index.c``); else the Python below
+    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+        raise ImportError("LLMC_PURE_PYTHON=1")
+    from coordinator.pipeline.scheduling.prefix import _index as _native
+except ImportError:
+    _native = None  # type: ignore[assignment]
+
+NATIVE_INDEX = _native is not None
+"""Whether ``add``/``remove`` run in C (``_index.c``)."""
 
 _SHARED_BYTES = sys.getsizeof(("engine-a", "engine-b"))
 _INT_BYTES = sys.getsizeof(2**62)
@@ -116,6 +127,12 @@ class PrefixIndex:
         blocks = self._blocks.get(engine)
         if blocks is None:
             blocks = self._blocks[engine] = {}
+        if _native is not None:
+            if now < self._floor:
+                self._floor = now
+            self._shared += _native.add(blocks, self._owners, self._leaves, engine, hashes, parent, now)
+            self._trim(engine, blocks, now)
+            return
         fresh = dict(zip(reversed(hashes), repeat(now)))  # tail first: see ``_blocks``
         if now < self._floor:
             self._floor = now
@@ -134,8 +151,8 @@ class PrefixIndex:
         no bytecode per block): a cold 100k-token prompt is 6,250 of them."""
         n = len(hashes)
         start = n - (unique - len(held))
-        if start < 0 or not held.isdisjoint(islice(hashes, start, n)):
-            self._own_each(engine, hashes, held, parent)   # scattered (or repeated hashes)
+        if unique < n or not held.isdisjoint(islice(hashes, start, n)):
+            self._own_each(engine, hashes, held, parent)   # repeated hashes, or scattered
             return
         owners_of = self._owners
         known = owners_of.keys() & islice(hashes, start, n)
@@ -179,7 +196,9 @@ class PrefixIndex:
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks.get(engine)
-        if blocks:
+        if blocks and _native is not None:
+            self._shared += _native.remove(blocks, self._owners, self._leaves, engine, hashes)
+        elif blocks:
             hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
             popped = map(blocks.pop, hashes, repeat(None))  # C-level: the KV-event intake's removals
             self._disown_all(list(compress(hashes, map(is_not, popped, repeat(None)))), engine)

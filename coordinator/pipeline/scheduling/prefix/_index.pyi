@@ -1,0 +1,6 @@
+from collections.abc import Iterable, Sequence
+
+def add(blocks: dict[int, float], owners: dict[int, str | tuple[str, ...]], leaves: set[int], engine: str,
+        hashes: Sequence[int], parent: int | None, now: float, /) -> int: ...
+def remove(blocks: dict[int, float], owners: dict[int, str | tuple[str, ...]], leaves: set[int], engine: str,
+           hashes: Iterable[int], /) -> int: ...
