@@ -238,13 +238,13 @@ def test_the_c_add_and_remove_leave_the_index_exactly_as_the_python_form_does(mo
             hashes = base[:rng.randrange(len(base) + 1)] + [rng.randrange(-(2**63), 2**63)
                                                              for _ in range(rng.randrange(12))]
             if rng.random() < 0.1 and hashes:
-                hashes = hashes + [rng.choice(hashes)]           # a hash twice in one chain
+                hashes = [*hashes, rng.choice(hashes)]           # a hash twice in one chain
             parent = rng.choice([None, rng.randrange(2**40)]) if rng.random() < 0.2 else None
             history.append(hashes)
             op: tuple[Any, ...] = ("add", engine, hashes, parent)
         elif roll < 0.9:
             held = list(pair[0]._blocks.get(engine, ()))
-            gone = rng.sample(held, min(len(held), rng.randrange(8))) + [rng.randrange(2**40)]
+            gone = [*rng.sample(held, min(len(held), rng.randrange(8))), rng.randrange(2**40)]
             op = ("remove", engine, gone, rng.random() < 0.5)   # as a list, or as an iterator
         else:
             op = ("clear", engine, None, None)

@@ -47,6 +47,22 @@ add_owner(PyObject *owners_of, PyObject *h, PyObject *owners, PyObject *engine)
     return rc < 0 ? -1000 : 0;
 }
 
+/* The call's first four arguments (``blocks, owners, leaves, engine``) after checking them and the
+ * count; NULL (an exception set) if they are not what the index holds. */
+static PyObject *const *
+index_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
+{
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    if (!PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PySet_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "blocks and owners are dicts, leaves a set");
+        return NULL;
+    }
+    return args;
+}
+
 /* add(blocks, owners, leaves, engine, hashes, parent, now) -> change of the shared count.
  * ``blocks``: the engine's LRU dict; each hash is moved to its fresh end, the chain's tail first (a
  * hash met twice keeps the place of its last occurrence, as ``dict(zip(reversed(hashes), ...))``).
@@ -55,16 +71,10 @@ add_owner(PyObject *owners_of, PyObject *h, PyObject *owners, PyObject *engine)
 static PyObject *
 add(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "add(blocks, owners, leaves, engine, hashes, parent, now)");
+    if (index_args(args, nargs, 7, "add(blocks, owners, leaves, engine, hashes, parent, now)") == NULL)
         return NULL;
-    }
     PyObject *blocks = args[0], *owners_of = args[1], *leaves = args[2], *engine = args[3];
     PyObject *parent = args[5], *now = args[6];
-    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(owners_of) || !PySet_Check(leaves)) {
-        PyErr_SetString(PyExc_TypeError, "blocks and owners are dicts, leaves a set");
-        return NULL;
-    }
     PyObject *seq = PySequence_Fast(args[4], "hashes must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -128,15 +138,9 @@ fail:
 static PyObject *
 remove_(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "remove(blocks, owners, leaves, engine, hashes)");
+    if (index_args(args, nargs, 5, "remove(blocks, owners, leaves, engine, hashes)") == NULL)
         return NULL;
-    }
     PyObject *blocks = args[0], *owners_of = args[1], *leaves = args[2], *engine = args[3];
-    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(owners_of) || !PySet_Check(leaves)) {
-        PyErr_SetString(PyExc_TypeError, "blocks and owners are dicts, leaves a set");
-        return NULL;
-    }
     PyObject *seq = PySequence_Fast(args[4], "hashes must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
