@@ -127,15 +127,13 @@ class PrefixIndex:
         blocks = self._blocks.get(engine)
         if blocks is None:
             blocks = self._blocks[engine] = {}
+        if now < self._floor:
+            self._floor = now
         if _native is not None:
-            if now < self._floor:
-                self._floor = now
             self._shared += _native.add(blocks, self._owners, self._leaves, engine, hashes, parent, now)
             self._trim(engine, blocks, now)
             return
         fresh = dict(zip(reversed(hashes), repeat(now)))  # tail first: see ``_blocks``
-        if now < self._floor:
-            self._floor = now
         held = fresh.keys() & blocks.keys()
         deque(map(blocks.__delitem__, held), maxlen=0)  # re-inserted below, at the fresh end
         blocks.update(fresh)
