@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import subprocess
 import sys
 from typing import Any
+
+import pytest
 
 from coordinator.contracts.hashing import block_hashes, chain_seed, next_hash
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
@@ -153,8 +156,9 @@ def test_order_of_blocks_counts() -> None:
 def _walk(idx: PrefixIndex, hashes: list[int]) -> dict[str, int]:
     """The definition ``match`` implements: per engine, the leading blocks it holds."""
     out: dict[str, int] = {}
+    lrus = idx.state()[0]
     for engine in idx.engines():
-        held = idx._blocks[engine]
+        held = dict(lrus[engine])
         n = 0
         while n < len(hashes) and hashes[n] in held:
             n += 1
@@ -163,11 +167,12 @@ def _walk(idx: PrefixIndex, hashes: list[int]) -> dict[str, int]:
     return out
 
 
-def test_galloping_match_equals_a_block_by_block_walk() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_galloping_match_equals_a_block_by_block_walk(native: bool) -> None:
     """Random conversations learned on random engines under a small capacity (so trimming runs all
     the time): every engine keeps leading runs, and the O(log n) match finds exactly them."""
     rng = random.Random(11)
-    idx = PrefixIndex(capacity_blocks=300)
+    idx = PrefixIndex(capacity_blocks=300, native=native)
     engines = [f"e{i}" for i in range(6)]
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
     convs: list[list[int]] = []
@@ -186,15 +191,16 @@ def test_galloping_match_equals_a_block_by_block_walk() -> None:
         chains.append(hashes)
     assert all(0 < idx.blocks(e) <= 300 for e in engines)
     # Ownership is exactly who holds a block, and an indexed block's parent is marked continued.
-    held = {e: set(idx._blocks[e]) for e in engines}
+    lrus, owners, _, shared_count = idx.state()
+    held = {e: {h for h, _ in lrus[e]} for e in engines}
     every = set().union(*held.values())
-    assert set(idx._owners) == every
+    assert set(owners) == every
     assert all(idx.owners(h) == {e for e in engines if h in held[e]} for h in every)
-    shared = [o for o in idx._owners.values() if isinstance(o, tuple)]
-    assert len(shared) == idx._shared > 0 and all(len(set(o)) == len(o) > 1 for o in shared)   # one owner: a name
+    shared = [o for o in owners.values() if isinstance(o, tuple)]
+    assert len(shared) == shared_count > 0 and all(len(set(o)) == len(o) > 1 for o in shared)   # one owner: a name
     for hashes in chains:
         for parent, child in itertools.pairwise(hashes):
-            if child in idx._owners and parent in idx._owners:
+            if child in owners and parent in owners:
                 assert not idx.continues(parent)
 
 
@@ -212,25 +218,29 @@ def test_only_blocks_new_to_the_index_mark_their_parent_continued() -> None:
     assert idx.continues(a[1]) and idx.approx_bytes() > 0
 
 
-def test_the_c_add_and_remove_leave_the_index_exactly_as_the_python_form_does(monkeypatch: Any) -> None:
-    """``add``/``remove`` in C (``_index.c``: half the KV-event intake's cost per block in Python) against
-    the Python form on the same random history: conversations on shared system prompts learned on random
-    engines, re-learned (moves in the LRU), chains with repeated hashes and with a parent, removals of
-    random runs and of blocks never held, trimming, clears. After every step both indexes hold the same
-    blocks in the same LRU order, the same owners, leaves and shared count, and match alike."""
+@pytest.mark.parametrize("ttl", [None, 6], ids=["capacity", "ttl"])
+def test_the_native_index_holds_exactly_what_the_python_form_holds(ttl: int | None) -> None:
+    """The storage in C (``_index.c``: hash tables of machine words) against the Python form on the same
+    random history: conversations on shared system prompts learned on random engines, re-learned (moves
+    in the LRU), chains with repeated hashes and with a parent, removals of random runs and of blocks
+    never held, trimming, expiry, clears. After every step both hold the same blocks in the same LRU
+    order with the same last use, the same owners in the same order, leaves and shared count, and both
+    match, continue and count alike."""
     from coordinator.pipeline.scheduling.prefix import index as module
 
-    assert module._native is not None, "the _index extension was not built (is a C compiler installed?)"
-    native = module._native
+    assert module.NATIVE_INDEX, "the _index extension was not built (is a C compiler installed?)"
     rng = random.Random(23)
-    clock = itertools.count()
+    ticks = [itertools.count(), itertools.count()]
     engines = [f"e{i}" for i in range(5)]
     systems = [block_hashes([rng.randrange(1000) for _ in range(rng.randrange(16, 160))], 16, SEED)
                for _ in range(3)]
     capacity = 120
-    pair = [PrefixIndex(capacity_blocks=capacity, clock=lambda: next(clock) // 2) for _ in range(2)]
+    pair = [PrefixIndex(capacity_blocks=capacity, ttl_s=ttl, native=native,
+                        clock=lambda t=t: next(t) // 2)   # type: ignore[misc]
+            for native, t in ((True, ticks[0]), (False, ticks[1]))]
     history: list[list[int]] = []
-    for step in range(800):
+    most_shared = 0
+    for step in range(1200):
         roll = rng.random()
         engine = rng.choice(engines)
         if roll < 0.55 or not history:
@@ -243,13 +253,13 @@ def test_the_c_add_and_remove_leave_the_index_exactly_as_the_python_form_does(mo
             history.append(hashes)
             op: tuple[Any, ...] = ("add", engine, hashes, parent)
         elif roll < 0.9:
-            held = list(pair[0]._blocks.get(engine, ()))
+            held = [h for h, _ in pair[0].state()[0].get(engine, ())]
             gone = [*rng.sample(held, min(len(held), rng.randrange(8))), rng.randrange(2**40)]
             op = ("remove", engine, gone, rng.random() < 0.5)   # as a list, or as an iterator
         else:
             op = ("clear", engine, None, None)
+        probe = rng.choice(history + systems)
         for idx in pair:
-            monkeypatch.setattr(module, "_native", native if idx is pair[0] else None)
             kind, e, hashes, parent = op
             if kind == "add":
                 idx.add(e, hashes, parent=parent)
@@ -258,8 +268,15 @@ def test_the_c_add_and_remove_leave_the_index_exactly_as_the_python_form_does(mo
             else:
                 idx.clear(e)
         c, py = pair
-        assert {e: list(b.items()) for e, b in c._blocks.items()} == \
-            {e: list(b.items()) for e, b in py._blocks.items()}, step
-        assert c._owners == py._owners and c._leaves == py._leaves and c._shared == py._shared, step
-        probe = rng.choice(history + systems)
-        assert c.match(probe) == py.match(probe), step
+        assert c.state() == py.state(), step
+        assert c.match(probe) == py.match(probe), step    # both tick their clock: expiry runs alike
+        assert c.engines() == py.engines() and [c.blocks(e) for e in engines] == [py.blocks(e) for e in engines]
+        assert [c.continues(h) for h in probe] == [py.continues(h) for h in probe], step
+        assert all(c.owners(h) == py.owners(h) for h in probe), step
+        most_shared = max(most_shared, c.state()[3])
+    assert c.native and not py.native and most_shared > 1
+    clone, before = copy.deepcopy(c), c.state()   # a copy is whole and independent
+    assert clone.state() == before
+    for e in engines:
+        clone.clear(e)
+    assert c.state() == before and clone.engines() == []

@@ -1,222 +1,970 @@
-/* ``PrefixIndex.add`` and ``PrefixIndex.remove`` (index.py) over the index's own dicts, in one C call.
+/* ``PrefixIndex``'s storage (index.py) in hash tables of machine words.
  *
- * Why C: the KV-event intake records every block an engine stores and removes (tens of thousands a
- * second at 256 engines); in Python each call built a dict, a set and several iterators around the
- * dict operations themselves, which made ``add`` about half the intake's cost per block. These
- * functions do exactly what the Python form does (index.py keeps it as the fallback and the reference
- * ``tests/unit/test_prefix_index.py`` compares them against): the same containers, the same final
- * order of each engine's LRU dict, the same owners, leaves and shared count.
+ * Why C, and why not Python dicts driven from C: the KV-event intake records every block an engine
+ * stores and removes, tens of thousands a second at 256 engines, into an index of millions of blocks.
+ * Python dicts cost a Python int per hash, a float or a tuple per entry and a cache miss or two per
+ * insert and delete, and the garbage collector walks them; measured, they were most of the intake's
+ * cost per block even when driven from C (docs/scheduling.md, "The native-speed question"). Here a
+ * block is one 40-byte node in its engine's LRU list plus one 24-byte owner record; no Python
+ * object exists per block.
+ *
+ * The semantics are index.py's Python form, which stays as the fallback and the reference:
+ * ``tests/unit/test_prefix_index.py`` runs both on the same random histories and compares the LRU
+ * order and last-use times of every engine, the owners (and their order), the leaves, the shared
+ * count and every match.
+ *
+ * Layout: nodes (one per engine and block) live in one pool and are found through one open-addressed
+ * table keyed by (engine, hash); each engine chains its nodes oldest to newest. Owner records (one per
+ * distinct block) live in a second open-addressed table keyed by hash. Both use linear probing with
+ * backward-shift deletion, so no tombstones accumulate under the intake's constant churn.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
-/* Add ``engine`` to the owners of ``h`` (``_add_owner``); returns the change of the shared count, or
- * -1000 on error. */
+#define NIL UINT32_MAX
+
+typedef struct {
+    int64_t hash;
+    double time;         /* last use */
+    uint32_t engine;
+    uint32_t prev, next; /* the engine's LRU list (oldest first); ``next`` chains the free list */
+    uint32_t stamp;      /* the last ``add`` call that moved it */
+    uint32_t born;       /* the ``add`` call that created it (tells new blocks from held ones) */
+} Node;
+
+typedef struct {
+    int64_t hash;
+    uint32_t first;      /* the owner when there is one */
+    uint16_t count;      /* owners; 0: an empty slot */
+    uint8_t leaf;        /* no block new to the index has continued this one */
+    uint8_t pad;
+    uint32_t *more;      /* count > 1: all owners, in the order they came */
+} Owner;
+
+typedef struct {
+    uint32_t head, tail; /* oldest, newest */
+    uint32_t count;
+    int present;         /* has an LRU list (``engines()``), until cleared */
+} Engine;
+
+typedef struct {
+    PyObject_HEAD
+    Node *nodes;
+    uint32_t nodes_cap, nodes_used, free_list;
+    uint32_t *table;     /* node index per slot, NIL: empty */
+    uint64_t table_mask;
+    uint64_t table_used;
+    Owner *owners;
+    uint64_t owners_mask;
+    uint64_t owners_used;
+    Engine *engines;
+    uint32_t engines_cap, engines_n;
+    PyObject *names;     /* list: engine id -> name */
+    PyObject *ids;       /* dict: name -> engine id */
+    PyObject *order;     /* dict: present engines in the order they came (``engines()``) */
+    long shared;         /* blocks with several owners */
+    uint32_t epoch;      /* the current ``add`` call */
+    uint8_t *mark;       /* scratch for ``match``: one byte per engine id */
+    uint32_t *scratch;   /* scratch for ``add``: node per position */
+    int64_t *hscratch;   /* scratch for ``add`` and ``remove``: the hashes, converted before any change */
+    Py_ssize_t scratch_cap;
+} Index;
+
+static inline uint64_t
+mix(uint64_t x)
+{
+    /* splitmix64's finaliser: our hashes are random already, but callers' tests and vLLM's ints need not be */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static inline uint64_t
+node_key(uint32_t engine, int64_t hash)
+{
+    return mix((uint64_t)hash ^ ((uint64_t)engine * 0x9e3779b97f4a7c15ULL));
+}
+
+/* --- the node table ------------------------------------------------------------------------- */
+
+static uint64_t
+node_find_slot(Index *ix, uint32_t engine, int64_t hash)
+{
+    uint64_t i = node_key(engine, hash) & ix->table_mask;
+    for (;;) {
+        uint32_t n = ix->table[i];
+        if (n == NIL) return i;
+        if (ix->nodes[n].hash == hash && ix->nodes[n].engine == engine) return i;
+        i = (i + 1) & ix->table_mask;
+    }
+}
+
+static inline uint32_t
+node_get(Index *ix, uint32_t engine, int64_t hash)
+{
+    return ix->table[node_find_slot(ix, engine, hash)];
+}
+
 static int
-add_owner(PyObject *owners_of, PyObject *h, PyObject *owners, PyObject *engine)
+table_grow(Index *ix)
 {
-    if (PyUnicode_Check(owners)) {
-        int same = PyObject_RichCompareBool(owners, engine, Py_EQ);
-        if (same < 0) return -1000;
-        if (same) return 0;
-        PyObject *pair = PyTuple_Pack(2, owners, engine);
-        if (pair == NULL) return -1000;
-        int rc = PyDict_SetItem(owners_of, h, pair);
-        Py_DECREF(pair);
-        return rc < 0 ? -1000 : 1;
+    uint64_t cap = (ix->table_mask + 1) * 2;
+    uint32_t *old = ix->table;
+    uint64_t old_cap = ix->table_mask + 1;
+    uint32_t *t = PyMem_Malloc(cap * sizeof(uint32_t));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    if (!PyTuple_Check(owners)) {
-        PyErr_SetString(PyExc_TypeError, "a block's owners are a str or a tuple");
-        return -1000;
+    memset(t, 0xff, cap * sizeof(uint32_t));
+    ix->table = t;
+    ix->table_mask = cap - 1;
+    for (uint64_t i = 0; i < old_cap; i++) {
+        uint32_t n = old[i];
+        if (n != NIL) ix->table[node_find_slot(ix, ix->nodes[n].engine, ix->nodes[n].hash)] = n;
     }
-    int has = PySequence_Contains(owners, engine);
-    if (has < 0) return -1000;
-    if (has) return 0;
-    Py_ssize_t n = PyTuple_GET_SIZE(owners);
-    PyObject *more = PyTuple_New(n + 1);
-    if (more == NULL) return -1000;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyTuple_GET_ITEM(owners, i);
-        Py_INCREF(o);
-        PyTuple_SET_ITEM(more, i, o);
-    }
-    Py_INCREF(engine);
-    PyTuple_SET_ITEM(more, n, engine);
-    int rc = PyDict_SetItem(owners_of, h, more);
-    Py_DECREF(more);
-    return rc < 0 ? -1000 : 0;
+    PyMem_Free(old);
+    return 0;
 }
 
-/* The call's first four arguments (``blocks, owners, leaves, engine``) after checking them and the
- * count; NULL (an exception set) if they are not what the index holds. */
-static PyObject *const *
-index_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage)
+static void
+table_delete_slot(Index *ix, uint64_t i)
 {
-    if (nargs != want) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
+    /* backward-shift deletion for linear probing */
+    uint64_t mask = ix->table_mask;
+    uint64_t j = i;
+    ix->table[i] = NIL;
+    for (;;) {
+        j = (j + 1) & mask;
+        uint32_t n = ix->table[j];
+        if (n == NIL) break;
+        uint64_t home = node_key(ix->nodes[n].engine, ix->nodes[n].hash) & mask;
+        /* move n into the hole at i if its home is not within (i, j] cyclically */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            ix->table[i] = n;
+            ix->table[j] = NIL;
+            i = j;
+        }
     }
-    if (!PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) || !PySet_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "blocks and owners are dicts, leaves a set");
-        return NULL;
-    }
-    return args;
+    ix->table_used--;
 }
 
-/* add(blocks, owners, leaves, engine, hashes, parent, now) -> change of the shared count.
- * ``blocks``: the engine's LRU dict; each hash is moved to its fresh end, the chain's tail first (a
- * hash met twice keeps the place of its last occurrence, as ``dict(zip(reversed(hashes), ...))``).
- * Blocks the engine did not hold before get it as an owner; a block new to the index continues the
- * block before it (which stops being a leaf) and is a leaf itself (``_own_each``). */
+static uint32_t
+node_alloc(Index *ix)
+{
+    if (ix->free_list != NIL) {
+        uint32_t n = ix->free_list;
+        ix->free_list = ix->nodes[n].next;
+        return n;
+    }
+    if (ix->nodes_used == ix->nodes_cap) {
+        uint64_t cap = (uint64_t)ix->nodes_cap * 2;
+        if (cap >= NIL) {
+            PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
+            return NIL;
+        }
+        Node *more = PyMem_Realloc(ix->nodes, cap * sizeof(Node));
+        if (more == NULL) {
+            PyErr_NoMemory();
+            return NIL;
+        }
+        ix->nodes = more;
+        ix->nodes_cap = (uint32_t)cap;
+    }
+    return ix->nodes_used++;
+}
+
+static inline void
+lru_unlink(Index *ix, uint32_t n)
+{
+    Node *x = &ix->nodes[n];
+    Engine *e = &ix->engines[x->engine];
+    if (x->prev != NIL) ix->nodes[x->prev].next = x->next; else e->head = x->next;
+    if (x->next != NIL) ix->nodes[x->next].prev = x->prev; else e->tail = x->prev;
+}
+
+static inline void
+lru_append(Index *ix, uint32_t n)
+{
+    Node *x = &ix->nodes[n];
+    Engine *e = &ix->engines[x->engine];
+    x->prev = e->tail;
+    x->next = NIL;
+    if (e->tail != NIL) ix->nodes[e->tail].next = n; else e->head = n;
+    e->tail = n;
+}
+
+/* --- the owner table ------------------------------------------------------------------------ */
+
+static uint64_t
+owner_find_slot(Index *ix, int64_t hash)
+{
+    uint64_t i = mix((uint64_t)hash) & ix->owners_mask;
+    for (;;) {
+        Owner *o = &ix->owners[i];
+        if (o->count == 0 || o->hash == hash) return i;
+        i = (i + 1) & ix->owners_mask;
+    }
+}
+
+static inline Owner *
+owner_get(Index *ix, int64_t hash)
+{
+    Owner *o = &ix->owners[owner_find_slot(ix, hash)];
+    return o->count ? o : NULL;
+}
+
+static int
+owners_grow(Index *ix)
+{
+    uint64_t old_cap = ix->owners_mask + 1, cap = old_cap * 2;
+    Owner *old = ix->owners;
+    Owner *t = PyMem_Calloc(cap, sizeof(Owner));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ix->owners = t;
+    ix->owners_mask = cap - 1;
+    for (uint64_t i = 0; i < old_cap; i++)
+        if (old[i].count) ix->owners[owner_find_slot(ix, old[i].hash)] = old[i];
+    PyMem_Free(old);
+    return 0;
+}
+
+static void
+owner_delete_slot(Index *ix, uint64_t i)
+{
+    uint64_t mask = ix->owners_mask, j = i;
+    PyMem_Free(ix->owners[i].more);
+    memset(&ix->owners[i], 0, sizeof(Owner));
+    for (;;) {
+        j = (j + 1) & mask;
+        Owner *o = &ix->owners[j];
+        if (o->count == 0) break;
+        uint64_t home = mix((uint64_t)o->hash) & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            ix->owners[i] = *o;
+            memset(o, 0, sizeof(Owner));
+            i = j;
+        }
+    }
+    ix->owners_used--;
+}
+
+static inline int
+owner_has(const Owner *o, uint32_t engine)
+{
+    if (o->count == 1) return o->first == engine;
+    for (uint16_t k = 0; k < o->count; k++)
+        if (o->more[k] == engine) return 1;
+    return 0;
+}
+
+/* ``_add_owner``: ``engine`` joins the owners of an indexed block. */
+static int
+owner_add(Index *ix, Owner *o, uint32_t engine)
+{
+    if (owner_has(o, engine)) return 0;
+    if (o->count == UINT16_MAX) return 0;   /* more engines than a fleet has: keep the first ones */
+    uint32_t *more = PyMem_Realloc(o->more, (size_t)(o->count + 1) * sizeof(uint32_t));
+    if (more == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (o->count == 1) {
+        more[0] = o->first;
+        ix->shared++;
+    }
+    more[o->count++] = engine;
+    o->more = more;
+    return 0;
+}
+
+/* ``_disown``: ``engine`` leaves the owners of ``hash``; the block leaves the index with its last. */
+static void
+disown(Index *ix, int64_t hash, uint32_t engine)
+{
+    uint64_t i = owner_find_slot(ix, hash);
+    Owner *o = &ix->owners[i];
+    if (o->count == 0) return;
+    if (o->count == 1) {
+        if (o->first == engine) owner_delete_slot(ix, i);
+        return;
+    }
+    uint16_t kept = 0;
+    for (uint16_t k = 0; k < o->count; k++)
+        if (o->more[k] != engine) o->more[kept++] = o->more[k];
+    if (kept == o->count) return;
+    o->count = kept;
+    o->first = o->more[0];
+    if (kept == 1) {
+        PyMem_Free(o->more);
+        o->more = NULL;
+        ix->shared--;
+    }
+}
+
+/* --- engines -------------------------------------------------------------------------------- */
+
+/* The engine's id, created if ``create``; NIL (no exception) if unknown and not created. */
+static uint32_t
+engine_id(Index *ix, PyObject *name, int create)
+{
+    if (!PyUnicode_Check(name)) {
+        PyErr_SetString(PyExc_TypeError, "an engine is named by a str");
+        return NIL;
+    }
+    PyObject *id = PyDict_GetItemWithError(ix->ids, name);
+    if (id != NULL) return (uint32_t)PyLong_AsUnsignedLong(id);
+    if (PyErr_Occurred() || !create) return NIL;
+    if (ix->engines_n == ix->engines_cap) {
+        uint32_t cap = ix->engines_cap * 2;
+        Engine *e = PyMem_Realloc(ix->engines, cap * sizeof(Engine));
+        uint8_t *m = PyMem_Realloc(ix->mark, cap);
+        if (e == NULL || m == NULL) {
+            if (e != NULL) ix->engines = e;
+            if (m != NULL) ix->mark = m;
+            PyErr_NoMemory();
+            return NIL;
+        }
+        ix->engines = e;
+        ix->mark = m;
+        memset(ix->mark + ix->engines_cap, 0, cap - ix->engines_cap);
+        ix->engines_cap = cap;
+    }
+    uint32_t n = ix->engines_n;
+    PyObject *num = PyLong_FromUnsignedLong(n);
+    if (num == NULL) return NIL;
+    int rc = PyDict_SetItem(ix->ids, name, num);
+    Py_DECREF(num);
+    if (rc < 0 || PyList_Append(ix->names, name) < 0) return NIL;
+    ix->engines[n] = (Engine){NIL, NIL, 0, 0};
+    ix->engines_n++;
+    return n;
+}
+
+static int
+make_present(Index *ix, uint32_t e)
+{
+    if (ix->engines[e].present) return 0;
+    ix->engines[e].present = 1;
+    return PyDict_SetItem(ix->order, PyList_GET_ITEM(ix->names, e), Py_None);
+}
+
+/* Drop node ``n`` (held by its engine) and its engine's ownership of the block. */
+static void
+drop_node(Index *ix, uint32_t n)
+{
+    Node *x = &ix->nodes[n];
+    uint32_t e = x->engine;
+    int64_t h = x->hash;
+    lru_unlink(ix, n);
+    table_delete_slot(ix, node_find_slot(ix, e, h));
+    ix->engines[e].count--;
+    x->next = ix->free_list;
+    ix->free_list = n;
+    disown(ix, h, e);
+}
+
+static uint32_t
+next_epoch(Index *ix)
+{
+    if (++ix->epoch == 0) {   /* wrapped: no node may look moved or created by a later call */
+        for (uint32_t n = 0; n < ix->nodes_used; n++) ix->nodes[n].stamp = ix->nodes[n].born = 0;
+        ix->epoch = 1;
+    }
+    return ix->epoch;
+}
+
+/* --- hash arguments ------------------------------------------------------------------------- */
+
+static inline int
+as_hash(PyObject *obj, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* --- the type ------------------------------------------------------------------------------- */
+
+static void
+Index_dealloc(Index *ix)
+{
+    if (ix->owners != NULL)
+        for (uint64_t i = 0; i <= ix->owners_mask; i++) PyMem_Free(ix->owners[i].more);
+    PyMem_Free(ix->owners);
+    PyMem_Free(ix->nodes);
+    PyMem_Free(ix->table);
+    PyMem_Free(ix->engines);
+    PyMem_Free(ix->mark);
+    PyMem_Free(ix->scratch);
+    PyMem_Free(ix->hscratch);
+    Py_XDECREF(ix->names);
+    Py_XDECREF(ix->ids);
+    Py_XDECREF(ix->order);
+    Py_TYPE(ix)->tp_free((PyObject *)ix);
+}
+
 static PyObject *
-add(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (index_args(args, nargs, 7, "add(blocks, owners, leaves, engine, hashes, parent, now)") == NULL)
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Index() takes no arguments");
         return NULL;
-    PyObject *blocks = args[0], *owners_of = args[1], *leaves = args[2], *engine = args[3];
-    PyObject *parent = args[5], *now = args[6];
-    PyObject *seq = PySequence_Fast(args[4], "hashes must be a sequence");
+    }
+    Index *ix = (Index *)type->tp_alloc(type, 0);
+    if (ix == NULL) return NULL;
+    ix->nodes_cap = 1024;
+    ix->nodes = PyMem_Malloc(ix->nodes_cap * sizeof(Node));
+    ix->free_list = NIL;
+    ix->table_mask = 2047;
+    ix->table = PyMem_Malloc((ix->table_mask + 1) * sizeof(uint32_t));
+    ix->owners_mask = 2047;
+    ix->owners = PyMem_Calloc(ix->owners_mask + 1, sizeof(Owner));
+    ix->engines_cap = 16;
+    ix->engines = PyMem_Malloc(ix->engines_cap * sizeof(Engine));
+    ix->mark = PyMem_Calloc(ix->engines_cap, 1);
+    ix->names = PyList_New(0);
+    ix->ids = PyDict_New();
+    ix->order = PyDict_New();
+    if (ix->nodes == NULL || ix->table == NULL || ix->owners == NULL || ix->engines == NULL
+        || ix->mark == NULL) {
+        Py_DECREF(ix);
+        return PyErr_NoMemory();
+    }
+    if (ix->names == NULL || ix->ids == NULL || ix->order == NULL) {
+        Py_DECREF(ix);
+        return NULL;
+    }
+    memset(ix->table, 0xff, (ix->table_mask + 1) * sizeof(uint32_t));
+    return (PyObject *)ix;
+}
+
+static int
+reserve_scratch(Index *ix, Py_ssize_t n)
+{
+    if (n <= ix->scratch_cap) return 0;
+    uint32_t *s = PyMem_Realloc(ix->scratch, (size_t)n * sizeof(uint32_t));
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ix->scratch = s;
+    int64_t *hs = PyMem_Realloc(ix->hscratch, (size_t)n * sizeof(int64_t));
+    if (hs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ix->hscratch = hs;
+    ix->scratch_cap = n;
+    return 0;
+}
+
+/* Room for ``n`` more blocks in both tables (load factor at most 1/2, for short probes) and scratch. */
+static int
+reserve(Index *ix, Py_ssize_t n)
+{
+    while ((ix->table_used + (uint64_t)n) * 2 > ix->table_mask + 1)
+        if (table_grow(ix) < 0) return -1;
+    while ((ix->owners_used + (uint64_t)n) * 2 > ix->owners_mask + 1)
+        if (owners_grow(ix) < 0) return -1;
+    return reserve_scratch(ix, n);
+}
+
+/* add(engine, hashes, parent, now): ``PrefixIndex.add`` without the trimming. Each hash moves to the
+ * fresh end of the engine's LRU, the chain's tail first (a hash met twice keeps the place of its last
+ * occurrence); blocks the engine did not hold get it as an owner; a block new to the index continues
+ * the block before it (which stops being a leaf) and is a leaf itself. */
+static PyObject *
+Index_add(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "add(engine, hashes, parent, now)");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    int has_parent = args[2] != Py_None;
+    int64_t parent = 0;
+    if (has_parent && as_hash(args[2], &parent) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **hashes = PySequence_Fast_ITEMS(seq);
-    PyObject *fresh = PySet_New(NULL);    /* hashes already moved by this call */
-    PyObject *held = PySet_New(NULL);     /* hashes the engine held before this call */
-    long shared = 0;
-    if (fresh == NULL || held == NULL) goto fail;
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        PyObject *h = hashes[i];
-        int seen = PySet_Contains(fresh, h);
-        if (seen < 0) goto fail;
-        if (seen) continue;
-        if (PySet_Add(fresh, h) < 0) goto fail;
-        PyObject *old = PyDict_GetItemWithError(blocks, h);
-        if (old != NULL) {
-            if (PySet_Add(held, h) < 0 || PyDict_DelItem(blocks, h) < 0) goto fail;
-        } else if (PyErr_Occurred()) {
-            goto fail;
-        }
-        if (PyDict_SetItem(blocks, h, now) < 0) goto fail;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t e = engine_id(ix, args[0], 1);
+    if (e == NIL || reserve(ix, n) < 0) goto fail;
+    uint32_t *at = ix->scratch;
+    int64_t *hs = ix->hscratch;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (as_hash(items[i], &hs[i]) < 0) goto fail;
+    if (make_present(ix, e) < 0) goto fail;
+    uint32_t stamp = next_epoch(ix);
+    Py_ssize_t created = 0;
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {   /* the tail first */
+        int64_t h = hs[i];
+        uint64_t slot = node_find_slot(ix, e, h);
+        uint32_t x = ix->table[slot];
+        if (x == NIL) {
+            x = node_alloc(ix);
+            if (x == NIL) goto fail;
+            ix->nodes[x] = (Node){h, now, e, NIL, NIL, stamp, stamp};
+            ix->table[slot] = x;
+            ix->table_used++;
+            ix->engines[e].count++;
+            lru_append(ix, x);
+            created++;
+        } else if (ix->nodes[x].stamp != stamp) {   /* held before: moves to the fresh end */
+            lru_unlink(ix, x);
+            ix->nodes[x].time = now;
+            ix->nodes[x].stamp = stamp;
+            lru_append(ix, x);
+        }   /* else met again in this chain: it keeps the place of its last occurrence */
+        at[i] = x;
     }
-    if (PySet_GET_SIZE(held) < PySet_GET_SIZE(fresh)) {
-        PyObject *prev = parent;
+    if (created) {
+        int prev_set = has_parent;
+        int64_t prev = parent;
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *h = hashes[i];
-            int was = PySet_Contains(held, h);
-            if (was < 0) goto fail;
-            if (!was) {
-                PyObject *owners = PyDict_GetItemWithError(owners_of, h);
-                if (owners == NULL) {
-                    if (PyErr_Occurred()) goto fail;
-                    if (PyDict_SetItem(owners_of, h, engine) < 0) goto fail;
-                    if (prev != Py_None && PySet_Discard(leaves, prev) < 0) goto fail;
-                    if (PySet_Add(leaves, h) < 0) goto fail;
-                } else {
-                    Py_INCREF(owners);   /* add_owner may replace it in the dict */
-                    int delta = add_owner(owners_of, h, owners, engine);
-                    Py_DECREF(owners);
-                    if (delta == -1000) goto fail;
-                    shared += delta;
+            Node *x = &ix->nodes[at[i]];
+            int64_t h = x->hash;
+            if (x->born == stamp) {   /* the engine did not hold it before this call */
+                Owner *o = &ix->owners[owner_find_slot(ix, h)];
+                if (o->count == 0) {   /* new to the index: continues ``prev``, and is a leaf */
+                    *o = (Owner){h, e, 1, 1, 0, NULL};
+                    ix->owners_used++;
+                    if (prev_set) {
+                        Owner *p = owner_get(ix, prev);
+                        if (p != NULL) p->leaf = 0;
+                    }
+                } else if (owner_add(ix, o, e) < 0) {
+                    goto fail;
                 }
             }
             prev = h;
+            prev_set = 1;
         }
     }
-    Py_DECREF(fresh);
-    Py_DECREF(held);
     Py_DECREF(seq);
-    return PyLong_FromLong(shared);
+    Py_RETURN_NONE;
 fail:
-    Py_XDECREF(fresh);
-    Py_XDECREF(held);
     Py_DECREF(seq);
     return NULL;
 }
 
-/* remove(blocks, owners, leaves, engine, hashes) -> change of the shared count (``remove`` and
- * ``_disown_all``): each hash the engine's LRU dict holds leaves it, and ``engine`` leaves its owners
- * (the block leaves the index, and the leaves, with its last owner). */
-static PyObject *
-remove_(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
+/* The engine's id if it holds an LRU list, else NIL; -1 with an exception for a bad name. */
+static int
+held_engine(Index *ix, PyObject *name, uint32_t *out)
 {
-    if (index_args(args, nargs, 5, "remove(blocks, owners, leaves, engine, hashes)") == NULL)
+    *out = engine_id(ix, name, 0);
+    if (*out == NIL && PyErr_Occurred()) return -1;
+    if (*out != NIL && !ix->engines[*out].present) *out = NIL;
+    return 0;
+}
+
+/* remove(engine, hashes): each block the engine holds leaves its LRU, and the engine its owners. */
+static PyObject *
+Index_remove(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "remove(engine, hashes)");
         return NULL;
-    PyObject *blocks = args[0], *owners_of = args[1], *leaves = args[2], *engine = args[3];
-    PyObject *seq = PySequence_Fast(args[4], "hashes must be a sequence");
+    }
+    uint32_t e;
+    if (held_engine(ix, args[0], &e) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be iterable");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **hashes = PySequence_Fast_ITEMS(seq);
-    long shared = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = hashes[i];
-        int in = PyDict_Contains(blocks, h);
-        if (in < 0) goto fail;
-        if (!in) continue;
-        if (PyDict_DelItem(blocks, h) < 0) goto fail;
-        PyObject *owners = PyDict_GetItemWithError(owners_of, h);
-        if (owners == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            continue;
-        }
-        if (PyUnicode_Check(owners)) {
-            int same = PyObject_RichCompareBool(owners, engine, Py_EQ);
-            if (same < 0) goto fail;
-            if (same) {
-                if (PyDict_DelItem(owners_of, h) < 0 || PySet_Discard(leaves, h) < 0) goto fail;
-            }
-        } else if (PyTuple_Check(owners)) {
-            Py_ssize_t m = PyTuple_GET_SIZE(owners), kept = 0;
-            PyObject *rest = PyTuple_New(m);
-            if (rest == NULL) goto fail;
-            for (Py_ssize_t j = 0; j < m; j++) {
-                PyObject *o = PyTuple_GET_ITEM(owners, j);
-                int same = PyObject_RichCompareBool(o, engine, Py_EQ);
-                if (same < 0) {
-                    Py_DECREF(rest);
-                    goto fail;
-                }
-                if (!same) {
-                    Py_INCREF(o);
-                    PyTuple_SET_ITEM(rest, kept++, o);
-                }
-            }
-            if (kept == m) {   /* not an owner of it */
-                Py_DECREF(rest);
-                continue;
-            }
-            int rc;
-            if (kept == 1) {
-                shared -= 1;
-                rc = PyDict_SetItem(owners_of, h, PyTuple_GET_ITEM(rest, 0));
-            } else {
-                if (_PyTuple_Resize(&rest, kept) < 0) goto fail;
-                rc = PyDict_SetItem(owners_of, h, rest);
-            }
-            Py_DECREF(rest);
-            if (rc < 0) goto fail;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (e != NIL && ix->engines[e].count) {
+        if (reserve_scratch(ix, n) < 0) goto fail;
+        int64_t *hs = ix->hscratch;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (as_hash(items[i], &hs[i]) < 0) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t x = node_get(ix, e, hs[i]);
+            if (x != NIL) drop_node(ix, x);
         }
     }
     Py_DECREF(seq);
-    return PyLong_FromLong(shared);
+    Py_RETURN_NONE;
 fail:
     Py_DECREF(seq);
     return NULL;
 }
 
-static PyMethodDef methods[] = {
-    {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL,
-     "add(blocks, owners, leaves, engine, hashes, parent, now) -> change of the shared count"},
-    {"remove", (PyCFunction)(void (*)(void))remove_, METH_FASTCALL,
-     "remove(blocks, owners, leaves, engine, hashes) -> change of the shared count"},
+/* clear(engine): the engine lost everything or left; it is no longer among ``engines()``. */
+static PyObject *
+Index_clear(Index *ix, PyObject *name)
+{
+    uint32_t e;
+    if (held_engine(ix, name, &e) < 0) return NULL;
+    if (e == NIL) Py_RETURN_NONE;
+    while (ix->engines[e].head != NIL) drop_node(ix, ix->engines[e].head);
+    ix->engines[e].present = 0;
+    if (PyDict_DelItem(ix->order, name) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* trim(engine, capacity, oldest): drop the engine's oldest blocks past ``capacity`` (negative: no
+ * bound), then those last used before ``oldest``. Last-use times never decrease along the LRU. */
+static PyObject *
+Index_trim(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "trim(engine, capacity, oldest)");
+        return NULL;
+    }
+    uint32_t e;
+    if (held_engine(ix, args[0], &e) < 0) return NULL;
+    long long capacity = PyLong_AsLongLong(args[1]);
+    if (capacity == -1 && PyErr_Occurred()) return NULL;
+    double oldest = PyFloat_AsDouble(args[2]);
+    if (oldest == -1.0 && PyErr_Occurred()) return NULL;
+    if (e == NIL) Py_RETURN_NONE;
+    Engine *en = &ix->engines[e];
+    while (capacity >= 0 && en->count > (uint64_t)capacity) drop_node(ix, en->head);
+    while (en->head != NIL && ix->nodes[en->head].time < oldest) drop_node(ix, en->head);
+    Py_RETURN_NONE;
+}
+
+/* expire(oldest) -> the oldest last use left (inf if none): drops, for every engine, the blocks last
+ * used before ``oldest``. */
+static PyObject *
+Index_expire(Index *ix, PyObject *arg)
+{
+    double oldest = PyFloat_AsDouble(arg);
+    if (oldest == -1.0 && PyErr_Occurred()) return NULL;
+    double floor = INFINITY;
+    for (uint32_t e = 0; e < ix->engines_n; e++) {
+        Engine *en = &ix->engines[e];
+        if (!en->present) continue;
+        while (en->head != NIL && ix->nodes[en->head].time < oldest) drop_node(ix, en->head);
+        if (en->head != NIL && ix->nodes[en->head].time < floor) floor = ix->nodes[en->head].time;
+    }
+    return PyFloat_FromDouble(floor);
+}
+
+/* Whether every engine marked in ``mark`` (``live`` of them) owns ``hash``. */
+static inline int
+holds_all(Index *ix, int64_t hash, uint32_t live)
+{
+    Owner *o = owner_get(ix, hash);
+    if (o == NULL) return 0;
+    if (o->count == 1) return live == 1 && ix->mark[o->first];
+    uint32_t found = 0;
+    for (uint16_t k = 0; k < o->count; k++) found += ix->mark[o->more[k]];
+    return found == live;
+}
+
+/* ``_run_end``: the first depth past ``lo`` whose block is not held (``n`` if all are), given that
+ * ``hashes[lo]`` is and that what is held is a leading run: gallop, then bisect. ``engine`` NIL: held
+ * by every marked engine. */
+static Py_ssize_t
+run_end(Index *ix, const int64_t *hs, Py_ssize_t n, Py_ssize_t lo, uint32_t engine, uint32_t live)
+{
+    Py_ssize_t good = lo, step = 1, bad = n;
+#define HELD(i) (engine == NIL ? holds_all(ix, hs[i], live) : node_get(ix, engine, hs[i]) != NIL)
+    while (good + step < bad) {
+        if (HELD(good + step)) {
+            good += step;
+            step *= 2;
+        } else {
+            bad = good + step;
+            break;
+        }
+    }
+    while (bad - good > 1) {
+        Py_ssize_t mid = (good + bad) / 2;
+        if (HELD(mid)) good = mid; else bad = mid;
+    }
+#undef HELD
+    return bad;
+}
+
+static int
+set_depth(Index *ix, PyObject *out, uint32_t e, Py_ssize_t depth)
+{
+    PyObject *v = PyLong_FromSsize_t(depth);
+    if (v == NULL) return -1;
+    int rc = PyDict_SetItem(out, PyList_GET_ITEM(ix->names, e), v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* match(hashes) -> {engine: leading blocks held}, as ``PrefixIndex.match``. */
+static PyObject *
+Index_match(Index *ix, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyDict_New();
+    if (out == NULL || reserve_scratch(ix, n) < 0) goto fail;
+    int64_t *hs = ix->hscratch;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (as_hash(items[i], &hs[i]) < 0) goto fail;
+    Owner *first = n ? owner_get(ix, hs[0]) : NULL;
+    if (first == NULL) {
+        Py_DECREF(seq);
+        return out;
+    }
+    uint32_t one = first->first;
+    const uint32_t *live = first->count == 1 ? &one : first->more;
+    uint32_t k = first->count;
+    /* copied: the owner table does not change during a match, but the list is read after probes */
+    uint32_t *engines = PyMem_Malloc(k * sizeof(uint32_t));
+    if (engines == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    memcpy(engines, live, k * sizeof(uint32_t));
+    for (uint32_t j = 0; j < k; j++) ix->mark[engines[j]] = 1;
+    Py_ssize_t bad = run_end(ix, hs, n, 0, NIL, k);
+    int rc = 0;
+    if (bad >= n) {
+        for (uint32_t j = 0; j < k && rc == 0; j++) rc = set_depth(ix, out, engines[j], n);
+    } else {
+        Owner *o = owner_get(ix, hs[bad]);
+        for (uint32_t j = 0; j < k && rc == 0; j++) {
+            uint32_t e = engines[j];
+            if (o != NULL && owner_has(o, e)) continue;
+            rc = set_depth(ix, out, e, bad);
+        }
+        for (uint32_t j = 0; j < k && rc == 0; j++) {
+            uint32_t e = engines[j];
+            if (o == NULL || !owner_has(o, e)) continue;
+            rc = set_depth(ix, out, e, run_end(ix, hs, n, bad, e, 0));
+        }
+    }
+    for (uint32_t j = 0; j < k; j++) ix->mark[engines[j]] = 0;
+    PyMem_Free(engines);
+    if (rc < 0) goto fail;
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *
+owner_object(Index *ix, const Owner *o)
+{
+    if (o->count == 1) return Py_NewRef(PyList_GET_ITEM(ix->names, o->first));
+    PyObject *t = PyTuple_New(o->count);
+    if (t == NULL) return NULL;
+    for (uint16_t k = 0; k < o->count; k++)
+        PyTuple_SET_ITEM(t, k, Py_NewRef(PyList_GET_ITEM(ix->names, o->more[k])));
+    return t;
+}
+
+/* owners(hash) -> the engines that hold the block, as a set. */
+static PyObject *
+Index_owners(Index *ix, PyObject *arg)
+{
+    int64_t h;
+    if (as_hash(arg, &h) < 0) return NULL;
+    Owner *o = owner_get(ix, h);
+    PyObject *out = PySet_New(NULL);
+    if (out == NULL || o == NULL) return out;
+    for (uint16_t k = 0; k < o->count; k++) {
+        uint32_t e = o->count == 1 ? o->first : o->more[k];
+        if (PySet_Add(out, PyList_GET_ITEM(ix->names, e)) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* continues(hash) -> no indexed block continues it (a leaf, or not indexed). */
+static PyObject *
+Index_continues(Index *ix, PyObject *arg)
+{
+    int64_t h;
+    if (as_hash(arg, &h) < 0) return NULL;
+    Owner *o = owner_get(ix, h);
+    return PyBool_FromLong(o == NULL || o->leaf);
+}
+
+static PyObject *
+Index_blocks(Index *ix, PyObject *name)
+{
+    uint32_t e;
+    if (held_engine(ix, name, &e) < 0) return NULL;
+    return PyLong_FromUnsignedLong(e == NIL ? 0 : ix->engines[e].count);
+}
+
+static PyObject *
+Index_engines(Index *ix, PyObject *Py_UNUSED(ignored))
+{
+    return PySequence_List(ix->order);
+}
+
+/* approx_bytes() -> the memory the index holds: its tables and pools, and the shared blocks' lists. */
+static PyObject *
+Index_approx_bytes(Index *ix, PyObject *Py_UNUSED(ignored))
+{
+    size_t total = sizeof(Index) + (size_t)ix->nodes_cap * sizeof(Node)
+        + (size_t)(ix->table_mask + 1) * sizeof(uint32_t) + (size_t)(ix->owners_mask + 1) * sizeof(Owner)
+        + (size_t)ix->engines_cap * (sizeof(Engine) + 1) + (size_t)ix->scratch_cap * 12
+        + (size_t)ix->shared * 4 * sizeof(uint32_t);
+    return PyLong_FromSize_t(total);
+}
+
+/* snapshot() -> ({engine: [(hash, last use), ...] oldest first}, {hash: owner or owners}, leaves,
+ * shared count): the Python form's own containers, for the tests that compare the two. */
+static PyObject *
+Index_snapshot(Index *ix, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *blocks = PyDict_New(), *owners = PyDict_New(), *leaves = PySet_New(NULL);
+    if (blocks == NULL || owners == NULL || leaves == NULL) goto fail;
+    for (uint32_t e = 0; e < ix->engines_n; e++) {
+        if (!ix->engines[e].present) continue;
+        PyObject *lru = PyList_New(0);
+        if (lru == NULL) goto fail;
+        int rc = PyDict_SetItem(blocks, PyList_GET_ITEM(ix->names, e), lru);
+        Py_DECREF(lru);
+        if (rc < 0) goto fail;
+        for (uint32_t x = ix->engines[e].head; x != NIL; x = ix->nodes[x].next) {
+            PyObject *item = Py_BuildValue("(Ld)", (long long)ix->nodes[x].hash, ix->nodes[x].time);
+            if (item == NULL || PyList_Append(lru, item) < 0) {
+                Py_XDECREF(item);
+                goto fail;
+            }
+            Py_DECREF(item);
+        }
+    }
+    for (uint64_t i = 0; i <= ix->owners_mask; i++) {
+        Owner *o = &ix->owners[i];
+        if (!o->count) continue;
+        PyObject *key = PyLong_FromLongLong(o->hash), *value = owner_object(ix, o);
+        int rc = key && value ? PyDict_SetItem(owners, key, value) : -1;
+        if (rc == 0 && o->leaf) rc = PySet_Add(leaves, key);
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (rc < 0) goto fail;
+    }
+    PyObject *out = Py_BuildValue("(NNNl)", blocks, owners, leaves, ix->shared);
+    return out;
+fail:
+    Py_XDECREF(blocks);
+    Py_XDECREF(owners);
+    Py_XDECREF(leaves);
+    return NULL;
+}
+
+static void *
+copied(const void *src, size_t size)
+{
+    void *out = PyMem_Malloc(size ? size : 1);
+    if (out != NULL && size) memcpy(out, src, size);
+    return out;
+}
+
+/* copy() -> an independent index holding the same (``copy.deepcopy`` of a ``PrefixIndex``). */
+static PyObject *
+Index_copy(Index *ix, PyObject *Py_UNUSED(ignored))
+{
+    Index *c = (Index *)Py_TYPE(ix)->tp_alloc(Py_TYPE(ix), 0);
+    if (c == NULL) return NULL;
+    c->nodes_cap = ix->nodes_cap;
+    c->nodes_used = ix->nodes_used;
+    c->free_list = ix->free_list;
+    c->table_mask = ix->table_mask;
+    c->table_used = ix->table_used;
+    c->owners_mask = ix->owners_mask;
+    c->owners_used = ix->owners_used;
+    c->engines_cap = ix->engines_cap;
+    c->engines_n = ix->engines_n;
+    c->shared = ix->shared;
+    c->epoch = ix->epoch;
+    c->nodes = copied(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
+    c->table = copied(ix->table, (size_t)(ix->table_mask + 1) * sizeof(uint32_t));
+    c->owners = copied(ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    c->engines = copied(ix->engines, (size_t)ix->engines_cap * sizeof(Engine));
+    c->mark = PyMem_Calloc(ix->engines_cap, 1);
+    if (c->owners != NULL)   /* its records must not share the lists of shared blocks */
+        for (uint64_t i = 0; i <= c->owners_mask; i++) c->owners[i].more = NULL;
+    if (c->nodes == NULL || c->table == NULL || c->owners == NULL || c->engines == NULL || c->mark == NULL) {
+        Py_DECREF(c);
+        return PyErr_NoMemory();
+    }
+    for (uint64_t i = 0; i <= c->owners_mask; i++) {
+        const Owner *o = &ix->owners[i];
+        if (o->count > 1 && (c->owners[i].more = copied(o->more, o->count * sizeof(uint32_t))) == NULL) {
+            Py_DECREF(c);
+            return PyErr_NoMemory();
+        }
+    }
+    c->names = PyList_GetSlice(ix->names, 0, PyList_GET_SIZE(ix->names));
+    c->ids = PyDict_Copy(ix->ids);
+    c->order = PyDict_Copy(ix->order);
+    if (c->names == NULL || c->ids == NULL || c->order == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+static PyMethodDef Index_methods[] = {
+    {"copy", (PyCFunction)Index_copy, METH_NOARGS, "copy() -> an independent index holding the same"},
+    {"add", (PyCFunction)(void (*)(void))Index_add, METH_FASTCALL,
+     "add(engine, hashes, parent, now): record that the engine holds the chain (no trimming)"},
+    {"remove", (PyCFunction)(void (*)(void))Index_remove, METH_FASTCALL,
+     "remove(engine, hashes): the engine no longer holds these blocks"},
+    {"clear", (PyCFunction)Index_clear, METH_O, "clear(engine): the engine holds nothing"},
+    {"trim", (PyCFunction)(void (*)(void))Index_trim, METH_FASTCALL,
+     "trim(engine, capacity, oldest): drop the oldest blocks past capacity, then those used before oldest"},
+    {"expire", (PyCFunction)Index_expire, METH_O,
+     "expire(oldest) -> the oldest last use left: drop every block used before oldest"},
+    {"match", (PyCFunction)Index_match, METH_O, "match(hashes) -> {engine: leading blocks held}"},
+    {"owners", (PyCFunction)Index_owners, METH_O, "owners(hash) -> set of engines"},
+    {"continues", (PyCFunction)Index_continues, METH_O,
+     "continues(hash) -> whether no indexed block continues it"},
+    {"blocks", (PyCFunction)Index_blocks, METH_O, "blocks(engine) -> blocks held"},
+    {"engines", (PyCFunction)Index_engines, METH_NOARGS, "engines() -> engines with blocks recorded"},
+    {"approx_bytes", (PyCFunction)Index_approx_bytes, METH_NOARGS, "approx_bytes() -> memory held"},
+    {"snapshot", (PyCFunction)Index_snapshot, METH_NOARGS,
+     "snapshot() -> (LRU lists, owners, leaves, shared count) as the Python form holds them"},
     {NULL, NULL, 0, NULL},
 };
 
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "coordinator.pipeline.scheduling.prefix._index.Index",
+    .tp_basicsize = sizeof(Index),
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "PrefixIndex's blocks, owners and leaves in hash tables of machine words.",
+    .tp_methods = Index_methods,
+    .tp_new = Index_new,
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_index", "PrefixIndex.add and .remove over its dicts, in C.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_index", "PrefixIndex's storage in C (index.py).", -1, NULL,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
 PyInit__index(void)
 {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

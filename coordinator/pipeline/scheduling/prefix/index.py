@@ -6,12 +6,15 @@ precise source mirrors the engines' own KV events (evictions arrive as events; t
 only a safety bound against lost ones).
 
 Costs, because a 100k-token prompt is 6,250 blocks: ``match`` probes O(log n) blocks per engine
-group instead of walking every block; ``add`` and the removals do their per-block work in C (dict
-and set operations) and run Python code only for blocks shared between engines.
+group instead of walking every block. The storage is native (``_index.c``: hash tables of machine
+words, no Python object per block) when the extension is built; the Python form below is the
+fallback and the reference the tests hold the native one to. It does its per-block work in C-level
+passes over dicts and sets, and runs Python code per block only for blocks shared between engines.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -22,7 +25,7 @@ from operator import eq, is_, is_not
 
 from coordinator.contracts.hashing import BlockHash
 
-try:  # ``add``/``remove`` over the same dicts in one C call each (``_index.c``); else the Python below
+try:  # the storage in C (``_index.c``); else the Python below
     if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
         raise ImportError("LLMC_PURE_PYTHON=1")
     from coordinator.pipeline.scheduling.prefix import _index as _native
@@ -30,8 +33,9 @@ except ImportError:
     _native = None  # type: ignore[assignment]
 
 NATIVE_INDEX = _native is not None
-"""Whether ``add``/``remove`` run in C (``_index.c``)."""
+"""Whether indexes keep their blocks in C (``_index.c``) unless told otherwise."""
 
+_NEVER = float("-inf")
 _SHARED_BYTES = sys.getsizeof(("engine-a", "engine-b"))
 _INT_BYTES = sys.getsizeof(2**62)
 
@@ -40,6 +44,10 @@ _INT_BYTES = sys.getsizeof(2**62)
 # (it untracks tuples of strings), so millions of blocks cost no set each, nothing to create in
 # bulk learning, and the owner map itself stays untracked: a full collection does not walk it.
 Owners = str | tuple[str, ...]
+
+
+IndexState = tuple[dict[str, list[tuple[BlockHash, float]]], dict[BlockHash, Owners], set[BlockHash], int]
+"""``PrefixIndex.state``: LRU lists with last use, owners, leaves, shared count."""
 
 
 def _holds_all(owners: Owners | None, live: set[str]) -> bool:
@@ -76,7 +84,12 @@ def _as_set(owners: Owners) -> set[str]:
 
 class PrefixIndex:
     def __init__(self, *, capacity_blocks: int | None = None, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, native: bool | None = None) -> None:
+        """``native``: keep the blocks in C (``_index.c``); None: when the extension is built. The
+        Python form holds the same blocks in the same order (the tests compare the two)."""
+        if native and _native is None:
+            raise RuntimeError("the native prefix index (_index.c) is not built")
+        self._core = _native.Index() if _native is not None and native is not False else None
         self.capacity_blocks = capacity_blocks
         self._ttl = ttl_s
         self._clock = clock
@@ -100,23 +113,52 @@ class PrefixIndex:
         # instead costs a scan: a dict used as an LRU keeps the slots it deleted at its front.
         self._floor = float("inf")
 
+    def __deepcopy__(self, memo: dict[int, object]) -> PrefixIndex:
+        """An independent index holding the same (a benchmark's filled index, reused per policy)."""
+        clone = copy.copy(self)
+        if self._core is not None:
+            clone._core = self._core.copy()
+        else:
+            clone._owners, clone._leaves = dict(self._owners), set(self._leaves)
+            clone._blocks = {e: dict(b) for e, b in self._blocks.items()}
+        return clone
+
+    @property
+    def native(self) -> bool:
+        return self._core is not None
+
     def blocks(self, engine: str) -> int:
+        if self._core is not None:
+            return self._core.blocks(engine)
         return len(self._blocks.get(engine, ()))
 
     def engines(self) -> list[str]:
-        return list(self._blocks)
+        return self._core.engines() if self._core is not None else list(self._blocks)
 
     def owners(self, h: BlockHash) -> set[str]:
+        if self._core is not None:
+            return self._core.owners(h)
         o = self._owners.get(h)
         return set() if o is None else _as_set(o)
 
     def approx_bytes(self) -> int:
-        """Estimated memory of the whole index (containers and hash objects), cheap enough for every
-        scrape: sizes of the containers, one hash object per distinct block, one owner tuple per
+        """Estimated memory of the whole index, cheap enough for every scrape: the native tables and
+        pools; or the sizes of the containers, one hash object per distinct block, one owner tuple per
         shared block."""
+        if self._core is not None:
+            return self._core.approx_bytes()
         per_engine = sum(sys.getsizeof(b) for b in self._blocks.values())
         return (per_engine + sys.getsizeof(self._owners) + sys.getsizeof(self._leaves)
                 + len(self._owners) * _INT_BYTES + self._shared * _SHARED_BYTES)
+
+    def state(self) -> IndexState:
+        """Everything the index holds, in the Python form's shape: each engine's blocks with their last
+        use, oldest first; each block's owner (or owners, in the order they came); the leaves; the
+        count of shared blocks. For tests and debugging: it copies the whole index."""
+        if self._core is not None:
+            return self._core.snapshot()
+        return ({e: list(b.items()) for e, b in self._blocks.items()}, dict(self._owners), set(self._leaves),
+                self._shared)
 
     def add(self, engine: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Record that ``engine`` holds the chain ``hashes`` (``parent``: the block before the first,
@@ -124,15 +166,17 @@ class PrefixIndex:
         if not hashes:
             return
         now = self._clock()
+        if now < self._floor:
+            self._floor = now
+        if self._core is not None:
+            self._core.add(engine, hashes, parent, now)
+            ttl = self._ttl
+            self._core.trim(engine, -1 if self.capacity_blocks is None else self.capacity_blocks,
+                            now - ttl if ttl is not None and now - ttl > self._floor else _NEVER)
+            return
         blocks = self._blocks.get(engine)
         if blocks is None:
             blocks = self._blocks[engine] = {}
-        if now < self._floor:
-            self._floor = now
-        if _native is not None:
-            self._shared += _native.add(blocks, self._owners, self._leaves, engine, hashes, parent, now)
-            self._trim(engine, blocks, now)
-            return
         fresh = dict(zip(reversed(hashes), repeat(now)))  # tail first: see ``_blocks``
         held = fresh.keys() & blocks.keys()
         deque(map(blocks.__delitem__, held), maxlen=0)  # re-inserted below, at the fresh end
@@ -193,16 +237,20 @@ class PrefixIndex:
             self._owners[h] = (*owners, engine)
 
     def remove(self, engine: str, hashes: Iterable[BlockHash]) -> None:
+        if self._core is not None:
+            self._core.remove(engine, hashes)
+            return
         blocks = self._blocks.get(engine)
-        if blocks and _native is not None:
-            self._shared += _native.remove(blocks, self._owners, self._leaves, engine, hashes)
-        elif blocks:
+        if blocks:
             hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
             popped = map(blocks.pop, hashes, repeat(None))  # C-level: the KV-event intake's removals
             self._disown_all(list(compress(hashes, map(is_not, popped, repeat(None)))), engine)
 
     def clear(self, engine: str) -> None:
         """The engine lost everything (restart, ``AllBlocksCleared``) or left the pool."""
+        if self._core is not None:
+            self._core.clear(engine)
+            return
         self._disown_all(list(self._blocks.pop(engine, ())), engine)
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -223,6 +271,8 @@ class PrefixIndex:
             if now - self._ttl > self._floor and now - self._expired_at >= min(1.0, self._ttl / 10):
                 self._expired_at = now
                 self._expire(now)
+        if self._core is not None:
+            return self._core.match(hashes)
         get = self._owners.get
         first = get(hashes[0])
         if not first:
@@ -244,6 +294,9 @@ class PrefixIndex:
         """Drop blocks unused for ``ttl_s``. Use moves a block to the end, so expired ones are at the
         front of each engine's order and this stops at the first fresh one."""
         assert self._ttl is not None
+        if self._core is not None:
+            self._floor = self._core.expire(now - self._ttl)
+            return
         oldest, floor = now - self._ttl, float("inf")
         for engine, blocks in self._blocks.items():
             self._drop_older(engine, blocks, oldest)
@@ -272,6 +325,8 @@ class PrefixIndex:
 
     def continues(self, h: BlockHash) -> bool:
         """No indexed block continues ``h``: a prompt whose match ends here extends its own chain."""
+        if self._core is not None:
+            return self._core.continues(h)
         return h in self._leaves or h not in self._owners
 
     def _disown_all(self, gone: list[BlockHash], engine: str) -> None:
