@@ -351,6 +351,12 @@ async def test_zmq_round_trip() -> None:
         assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 9})
         assert sub.gaps == 0
 
+        # Malformed messages (four frames, then two) are counted and skipped; the feed goes on.
+        await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload(removed(hs)), b"extra"])
+        await pub.send_multipart([b"kv", seq.to_bytes(8, "big")])
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 4}, lambda: send(removed(hs[4:])))
+        assert sub.bad_frames >= 2
+
         await source.stop_all()
         assert index.blocks(ENGINE) == 0 and not sub.running and source.subscribers == {}
     finally:
