@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import socket
 import time
 from typing import Any
@@ -405,3 +406,56 @@ async def test_missed_batches_are_replayed_from_vllms_replay_socket() -> None:
         await sub.stop()
         publisher.shutdown()
         ctx.term()
+
+
+def test_the_native_translation_holds_exactly_what_the_python_form_holds() -> None:
+    """The mirror's translation table in C (``_mirror.c``) against ``_PyTranslation`` on one random
+    history: runs stored at 1 and 8 of our blocks per engine block in two KV cache groups, blocks
+    reported again, hashes of ours shared by several engine blocks (hybrid groups, LoRA runs under the
+    base name), removals of known and unknown blocks, clears. After every step both map the same
+    engine blocks to the same hashes and depths, count the same engine blocks per hash, free the same
+    hashes on removal and find the same parents."""
+    from coordinator.pipeline.scheduling.prefix import kv_events as module
+
+    assert module.NATIVE_MIRROR, "the _mirror extension was not built (is a C compiler installed?)"
+    c, py = module._Translation(), module._PyTranslation()
+    assert type(c) is not type(py)
+    rng = random.Random(5)
+    pool = [rng.randrange(-(2**63), 2**63) for _ in range(60)]   # few hashes of ours: many shared
+    known: list[int] = []
+    for step in range(1500):
+        roll = rng.random()
+        group = rng.choice([0, 0, 1])
+        if roll < 0.5:
+            per = rng.choice([1, 8])
+            n = rng.randrange(1, 6)
+            engine_hashes = [rng.choice(known) if known and rng.random() < 0.2 else rng.randrange(2**64)
+                             for _ in range(n)]
+            ours = [rng.choice(pool) if rng.random() < 0.3 else rng.randrange(-(2**63), 2**63)
+                    for _ in range(n * per)]
+            start = rng.randrange(0, 10_000)
+            known += engine_hashes
+            for t in (c, py):
+                t.store(group, engine_hashes, ours, per, start)
+        elif roll < 0.95:
+            gone = [*rng.sample(known, min(len(known), rng.randrange(6))), rng.randrange(2**64)]
+            (found_c, freed_c), (found_py, freed_py) = c.remove(group, gone), py.remove(group, iter(gone))
+            assert found_c == found_py and set(freed_c) == set(freed_py), step
+        else:
+            c.clear()
+            py.clear()
+        assert c.state() == py.state() and len(c) == len(py), step
+        probe = rng.choice(known) if known else 0
+        assert c.parent(group, probe) == py.parent(group, probe), step
+    assert len(c) > 0 and any(n > 1 for n in c.state()[1].values())
+
+
+def test_the_native_translation_keys_sha256_hashes_by_their_low_64_bits() -> None:
+    """vLLM publishes sha256 bytes when its int hashes are off: a run continuing such a parent finds it."""
+    from coordinator.pipeline.scheduling.prefix import kv_events as module
+
+    t = module._Translation()
+    digest = bytes(range(32))
+    t.store(0, [digest], [11, 12], 2, 0)
+    assert t.parent(0, digest) == (12, 2) and t.parent(1, digest) is None
+    assert t.remove(0, [bytes(32)]) == (0, []) and t.remove(0, [digest]) == (1, [11, 12]) and len(t) == 0

@@ -19,6 +19,7 @@ event types are skipped, so newer engines keep working.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,16 @@ from coordinator.contracts.kv_events import (
     KVEventBatch,
 )
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+
+try:  # the translation table in C (``_mirror.c``); else ``_PyTranslation``
+    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+        raise ImportError("LLMC_PURE_PYTHON=1")
+    from coordinator.pipeline.scheduling.prefix import _mirror as _native
+except ImportError:
+    _native = None  # type: ignore[assignment]
+
+NATIVE_MIRROR = _native is not None
+"""Whether mirrors keep their translation tables in C (``_mirror.c``)."""
 
 log = logging.getLogger(__name__)
 
@@ -130,20 +141,105 @@ _Entry = tuple[tuple[BlockHash, ...], int]
 it (the depth a run continuing it starts at, which the chain's hash needs)."""
 
 
+class _PyTranslation:
+    """One medium's engine blocks in our hash space, and how many engine blocks map to each hash of ours.
+
+    Two engine blocks can map to one hash of ours (KV cache groups of a hybrid model share hashes; a
+    LoRA run under the base model's name), so a hash leaves the index only with its last engine block:
+    ``held`` has every hash some engine block maps to, ``extra`` the rare ones more than one does (how
+    many more). The per-block work is C-level passes over whole runs (``dict.update``/``map``/``zip``).
+    The fallback of ``_mirror.Translation`` (the same in C, no Python object per block) and its
+    reference in the tests."""
+
+    def __init__(self) -> None:
+        self.ours: dict[int, dict[ExternalBlockHash, _Entry]] = {}  # KV cache group → engine block → ours
+        self.held: set[BlockHash] = set()
+        self.extra: dict[BlockHash, int] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self.ours.values()))
+
+    def clear(self) -> None:
+        self.ours.clear()
+        self.held.clear()
+        self.extra.clear()
+
+    def parent(self, group: int, engine_hash: ExternalBlockHash) -> tuple[BlockHash, int] | None:
+        """Our last hash of a block the engine reported, and the depth after it."""
+        found = self.ours.get(group, {}).get(engine_hash)
+        return None if found is None else (found[0][-1], found[1])
+
+    def store(self, group: int, engine_hashes: Sequence[ExternalBlockHash], ours: Sequence[BlockHash],
+              per: int, start: int) -> None:
+        """Engine block ``i`` is ``ours[i*per:(i+1)*per]``, at depth ``start + (i+1)*per``. A block
+        reported again first gives up its old mapping (its hashes stay in the index: the caller
+        refreshes it)."""
+        known = self.ours.get(group)
+        if known is None:
+            known = self.ours[group] = {}
+        again = known.keys() & engine_hashes
+        if again:  # re-reported (a cache hit in "full" report mode): its old mapping goes first
+            self._release(list(chain.from_iterable(known.pop(eh)[0] for eh in again)))
+        # Our hashes cut into the engine's blocks, each with the depth after it: C-level zips.
+        cut = zip(*[iter(ours)] * per, strict=True)
+        depths = range(start + per, start + (len(engine_hashes) + 1) * per, per)
+        known.update(zip(engine_hashes, zip(cut, depths, strict=True), strict=True))
+        held = self.held
+        if not held.isdisjoint(ours):
+            extra = self.extra
+            for h in held.intersection(ours):
+                extra[h] = extra.get(h, 0) + 1
+        held.update(ours)
+
+    def remove(self, group: int, engine_hashes: Iterable[ExternalBlockHash]) -> tuple[int, list[BlockHash]]:
+        """How many of these engine blocks were known, and the hashes of ours no engine block maps to
+        any more."""
+        known = self.ours.get(group)
+        if not known:
+            return 0, []
+        entries = [e for e in map(known.pop, engine_hashes, repeat(None)) if e is not None]
+        if not entries:
+            return 0, []
+        return len(entries), self._release(list(chain.from_iterable(map(itemgetter(0), entries))))
+
+    def _release(self, ours: list[BlockHash]) -> list[BlockHash]:
+        """Drop one engine block's mapping per hash; returns the hashes no engine block maps to any
+        more (all of them, unless a hash is mapped more than once: ``extra`` is almost always empty)."""
+        extra = self.extra
+        if not extra or extra.keys().isdisjoint(ours):
+            self.held.difference_update(ours)
+            return ours
+        shared = Counter(h for h in ours if h in extra)
+        kept = set()
+        for h, dropped in shared.items():
+            left = extra.pop(h) + 1 - dropped   # engine blocks still mapping to it
+            if left > 1:
+                extra[h] = left - 1
+            if left > 0:
+                kept.add(h)
+        free = [h for h in dict.fromkeys(ours) if h not in kept]
+        self.held.difference_update(free)
+        return free
+
+    def state(self) -> tuple[dict[tuple[int, int], _Entry], dict[BlockHash, int]]:
+        """``_mirror.Translation.state``'s shape (int engine hashes only): for the tests."""
+        return ({(g, int(eh)): entry for g, known in self.ours.items() for eh, entry in known.items()},
+                {h: 1 + self.extra.get(h, 0) for h in self.held})
+
+
+_Translation = _PyTranslation if _native is None else _native.Translation
+
+
 class _Medium:
     """One medium's blocks of one engine: where they are indexed, and the translation its removals
     need (``KvEventMirror``)."""
 
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
-        self.ours: dict[int, dict[ExternalBlockHash, _Entry]] = {}  # KV cache group → engine block → ours
-        self.held: set[BlockHash] = set()
-        self.extra: dict[BlockHash, int] = {}
+        self.trans = _Translation()
 
     def clear(self, engine: str) -> None:
-        self.ours.clear()
-        self.held.clear()
-        self.extra.clear()
+        self.trans.clear()
         self.index.clear(engine)
 
 
@@ -159,12 +255,10 @@ class KvEventMirror:
     An engine hash names the same tokens in every medium, so a tier's run may continue a parent the
     primary cache reported, and the other way round.
 
-    The per-block work is C-level passes over whole runs (``dict.update``/``map``/``zip``), no Python
-    bytecode per block: at 256 engines the intake is tens of thousands of blocks a second
-    (docs/scheduling.md, "The pod's KV index"). Two engine blocks can map to one hash of ours (KV
-    cache groups of a hybrid model share hashes; a LoRA run under the base model's name), so a hash
-    leaves the index only with its last engine block: ``held`` has every hash some engine block
-    maps to, ``extra`` the rare ones more than one does (how many more).
+    The per-block work is in C (``_mirror.c``, the index's ``_index.c``) or C-level passes over whole
+    runs, no Python bytecode per block: at 256 engines the intake is tens of thousands of blocks a
+    second (docs/scheduling.md, "The pod's KV index"). A hash of ours leaves the index only with the
+    last engine block that maps to it (``_PyTranslation``).
     """
 
     def __init__(self, index: PrefixIndex, engine: str, model: str, block_size: int, *,
@@ -182,7 +276,7 @@ class KvEventMirror:
 
     @property
     def engine_blocks(self) -> int:
-        return sum(map(len, self._primary.ours.values()))
+        return len(self._primary.trans)
 
     def apply_payload(self, payload: bytes) -> bool:
         """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage."""
@@ -217,12 +311,13 @@ class KvEventMirror:
         for at in self._all:
             at.clear(self.engine)
 
-    def _parent(self, group: int, parent: ExternalBlockHash, at: _Medium) -> _Entry | None:
-        """The parent's translation: from the run's own medium, else from any other (same hashes)."""
-        found = at.ours.get(group, {}).get(parent)
+    def _parent(self, group: int, parent: ExternalBlockHash, at: _Medium) -> tuple[BlockHash, int] | None:
+        """The parent's last hash of ours and depth: from the run's own medium, else from any other
+        (same hashes)."""
+        found = at.trans.parent(group, parent)
         if found is None:
             for other in self._all:
-                if other is not at and (found := other.ours.get(group, {}).get(parent)) is not None:
+                if other is not at and (found := other.trans.parent(group, parent)) is not None:
                     break
         return found
 
@@ -240,16 +335,13 @@ class KvEventMirror:
                        "set scheduling.prefix.block_size to a divisor of it", self.engine, ev.block_size,
                        self.block_size)
             return
-        known = at.ours.get(group)
-        if known is None:
-            known = at.ours[group] = {}
         if ev.parent_block_hash is not None:
             parent = self._parent(group, ev.parent_block_hash, at)
-            if parent is None or not parent[0]:
+            if parent is None:
                 # Missed event, or a partial-tail entry whose parent sits inside an engine block.
                 self.stats.unknown_parent += 1
                 return
-            seed, start = parent[0][-1], parent[1]
+            seed, start = parent
         else:
             first = ev.extra_keys[0] if ev.extra_keys else None
             seed, start = chain_seed(ev.lora_name or self.model, _cache_salt(first, ev.lora_name)), 0
@@ -263,21 +355,8 @@ class KvEventMirror:
         if n == 0:
             return
         ours = block_hashes(ev.token_ids[:n * ev.block_size], self.block_size, seed, start, media)
-        per = ev.block_size // self.block_size
         engine_hashes = ev.block_hashes[:n] if len(ev.block_hashes) > n else ev.block_hashes
-        again = known.keys() & engine_hashes
-        if again:  # re-reported (a cache hit in "full" report mode): its old mapping goes first
-            self._release(list(chain.from_iterable(known.pop(eh)[0] for eh in again)), at)
-        # Our hashes cut into the engine's blocks, each with the depth after it: C-level zips.
-        cut = zip(*[iter(ours)] * per, strict=True)
-        depths = range(start + per, start + (n + 1) * per, per)
-        known.update(zip(engine_hashes, zip(cut, depths, strict=True), strict=True))
-        held = at.held
-        if not held.isdisjoint(ours):
-            extra = at.extra
-            for h in held.intersection(ours):
-                extra[h] = extra.get(h, 0) + 1
-        held.update(ours)
+        at.trans.store(group, engine_hashes, ours, ev.block_size // self.block_size, start)
         if at is self._primary:
             self.stats.blocks_stored += n
         else:
@@ -286,35 +365,11 @@ class KvEventMirror:
         at.index.add(self.engine, ours, parent=seed if ev.parent_block_hash is not None else None)
 
     def _removed(self, ev: BlockRemoved, at: _Medium) -> None:
-        known = at.ours.get(ev.group_idx or 0)
-        if not known:
-            return
-        entries = [e for e in map(known.pop, ev.block_hashes, repeat(None)) if e is not None]
-        if entries:
-            if at is self._primary:
-                self.stats.blocks_removed += len(entries)
-            gone = self._release(list(chain.from_iterable(map(itemgetter(0), entries))), at)
-            if gone:
-                at.index.remove(self.engine, gone)
-
-    def _release(self, ours: list[BlockHash], at: _Medium) -> list[BlockHash]:
-        """Drop one engine block's mapping per hash; returns the hashes no engine block maps to any
-        more (all of them, unless a hash is mapped more than once: ``extra`` is almost always empty)."""
-        extra = at.extra
-        if not extra or extra.keys().isdisjoint(ours):
-            at.held.difference_update(ours)
-            return ours
-        shared = Counter(h for h in ours if h in extra)
-        kept = set()
-        for h, dropped in shared.items():
-            left = extra.pop(h) + 1 - dropped   # engine blocks still mapping to it
-            if left > 1:
-                extra[h] = left - 1
-            if left > 0:
-                kept.add(h)
-        free = [h for h in dict.fromkeys(ours) if h not in kept]
-        at.held.difference_update(free)
-        return free
+        found, gone = at.trans.remove(ev.group_idx or 0, ev.block_hashes)
+        if found and at is self._primary:
+            self.stats.blocks_removed += found
+        if gone:
+            at.index.remove(self.engine, gone)
 
 
 def _cache_salt(keys: Sequence[Any] | None, lora_name: str | None) -> str | None:
