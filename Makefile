@@ -20,7 +20,7 @@ PY     := $(VENV)/bin/python
 # The stamp's name carries a hash of pyproject.toml: editing dependencies triggers a reinstall,
 # everything else is a no-op (the package itself is installed editable).
 # The install is redone when pyproject.toml or a C extension's source changes (built in place by it).
-PYPROJECT_HASH := $(shell cat pyproject.toml $$(find coordinator -name '*.c' | sort) | sha256sum | cut -c1-16)
+PYPROJECT_HASH := $(shell cat pyproject.toml $$(find coordinator -name '*.[ch]' | sort) | sha256sum | cut -c1-16)
 STAMP  := $(VENV)/.installed-$(PYPROJECT_HASH)
 MYPY_PATHS := $(wildcard coordinator render_sidecar token_engine perf deploy)
 # Third-party clients (aiperf, schemathesis, LangChain, LiteLLM) pin things that clash with .venv;

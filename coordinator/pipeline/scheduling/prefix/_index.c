@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_tables.h"
+
 #define NIL UINT32_MAX
 
 typedef struct {
@@ -72,18 +74,6 @@ typedef struct {
     int64_t *hscratch;   /* scratch for ``add`` and ``remove``: the hashes, converted before any change */
     Py_ssize_t scratch_cap;
 } Index;
-
-static inline uint64_t
-mix(uint64_t x)
-{
-    /* splitmix64's finaliser: our hashes are random already, but callers' tests and vLLM's ints need not be */
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
 
 static inline uint64_t
 node_key(uint32_t engine, int64_t hash)
@@ -146,7 +136,7 @@ table_delete_slot(Index *ix, uint64_t i)
         if (n == NIL) break;
         uint64_t home = node_key(ix->nodes[n].engine, ix->nodes[n].hash) & mask;
         /* move n into the hole at i if its home is not within (i, j] cyclically */
-        if (((j - home) & mask) >= ((j - i) & mask)) {
+        if (fills_hole(home, i, j, mask)) {
             ix->table[i] = n;
             ix->table[j] = NIL;
             i = j;
@@ -249,7 +239,7 @@ owner_delete_slot(Index *ix, uint64_t i)
         Owner *o = &ix->owners[j];
         if (o->count == 0) break;
         uint64_t home = mix((uint64_t)o->hash) & mask;
-        if (((j - home) & mask) >= ((j - i) & mask)) {
+        if (fills_hole(home, i, j, mask)) {
             ix->owners[i] = *o;
             memset(o, 0, sizeof(Owner));
             i = j;

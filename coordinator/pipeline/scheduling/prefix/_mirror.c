@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_tables.h"
+
 typedef struct {
     uint64_t key;        /* the engine hash, low 64 bits */
     int64_t depth;       /* our blocks from the prompt's start through this one */
@@ -48,17 +50,6 @@ typedef struct {
     int64_t *freed;      /* scratch: hashes whose engine blocks all left */
     Py_ssize_t freed_cap;
 } Translation;
-
-static inline uint64_t
-mix(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
 
 static inline uint64_t
 entry_home(uint64_t key, int32_t group, uint64_t mask)
@@ -94,7 +85,7 @@ entry_delete(Translation *t, uint64_t i)
         Entry *e = &t->entries[j];
         if (e->per == 0) break;
         uint64_t home = entry_home(e->key, e->group, mask);
-        if (((j - home) & mask) >= ((j - i) & mask)) {
+        if (fills_hole(home, i, j, mask)) {
             t->entries[i] = *e;
             memset(e, 0, sizeof(Entry));
             i = j;
@@ -124,7 +115,7 @@ count_delete(Translation *t, uint64_t i)
         Count *c = &t->counts[j];
         if (c->count == 0) break;
         uint64_t home = mix((uint64_t)c->hash) & mask;
-        if (((j - home) & mask) >= ((j - i) & mask)) {
+        if (fills_hole(home, i, j, mask)) {
             t->counts[i] = *c;
             memset(c, 0, sizeof(Count));
             i = j;
