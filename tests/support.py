@@ -91,10 +91,11 @@ def generate_calls(engine_url: str) -> float:
 def refused(url: str) -> bool:
     """True when a new connection to the server at ``url`` is not served: refused (its listener is
     closed), or taken into the kernel's backlog just as the listener closed and then dropped
-    without an answer (several worker processes close a shared socket one after another)."""
+    without an answer, closed or reset (several worker processes close a shared socket one after
+    another)."""
     try:
         httpx.get(f"{url}/health", timeout=2)
-    except (httpx.ConnectError, httpx.RemoteProtocolError):
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
     return False
 
