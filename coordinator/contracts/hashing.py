@@ -43,9 +43,13 @@ from typing import Any
 
 import numpy as np
 
+PURE_PYTHON = os.environ.get("LLMC_PURE_PYTHON") == "1"
+"""The optional C extensions are off (this chain's, the prefix index's and its KV-event mirror's):
+``perf.scheduler_latency`` runs its pure-Python baseline so; a spawned process reads it on import."""
+
 _native_chain: Callable[[Sequence[int], int, int, int], list[int]] | None
 try:
-    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+    if PURE_PYTHON:
         raise ImportError("LLMC_PURE_PYTHON=1")
     from coordinator.contracts._chain import chain as _native_chain
 except ImportError:  # built without a C compiler: the same hashes, computed in Python

@@ -156,11 +156,11 @@ class KvEventSubscriber:
         if sock is None or self._replaying is not None:
             return
         deadline = time.perf_counter() + self.BATCH_S
-        try:
-            frames = _receive(sock)   # woken for a message, almost always: no readiness check first
-        except zmq.Again:
-            return
         while True:
+            try:
+                frames = _receive(sock)   # woken for a message, almost always: no readiness check first
+            except zmq.Again:
+                return
             if self._gap_to_replay(frames):
                 self._held = frames
                 assert self._loop is not None
@@ -175,10 +175,6 @@ class KvEventSubscriber:
             if time.perf_counter() >= deadline:
                 assert self._loop is not None
                 self._again = self._loop.call_soon(self._drain)
-                return
-            try:
-                frames = _receive(sock)
-            except zmq.Again:
                 return
 
     async def _bootstrap(self) -> None:

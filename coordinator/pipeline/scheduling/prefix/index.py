@@ -15,7 +15,6 @@ passes over dicts and sets, and runs Python code per block only for blocks share
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from collections import deque
@@ -23,10 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat, takewhile
 from operator import eq, is_, is_not
 
-from coordinator.contracts.hashing import BlockHash
+from coordinator.contracts.hashing import PURE_PYTHON, BlockHash
 
 try:  # the storage in C (``_index.c``); else the Python below
-    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+    if PURE_PYTHON:
         raise ImportError("LLMC_PURE_PYTHON=1")
     from coordinator.pipeline.scheduling.prefix import _index as _native
 except ImportError:

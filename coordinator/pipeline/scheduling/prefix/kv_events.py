@@ -19,7 +19,6 @@ event types are skipped, so newer engines keep working.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.contracts.hashing import BlockHash, block_hashes, chain_seed, media_digest
+from coordinator.contracts.hashing import PURE_PYTHON, BlockHash, block_hashes, chain_seed, media_digest
 from coordinator.contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,7 +40,7 @@ from coordinator.contracts.kv_events import (
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 
 try:  # the translation table in C (``_mirror.c``); else ``_PyTranslation``
-    if os.environ.get("LLMC_PURE_PYTHON") == "1":   # the baseline of perf.scheduler_latency
+    if PURE_PYTHON:
         raise ImportError("LLMC_PURE_PYTHON=1")
     from coordinator.pipeline.scheduling.prefix import _mirror as _native
 except ImportError:
