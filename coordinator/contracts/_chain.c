@@ -12,6 +12,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "_chain.h"
+
 #if SIZEOF_PY_UHASH_T != 8
 #error "the chain's hashes are 64-bit: build on a 64-bit CPython"
 #endif
@@ -32,6 +34,37 @@ token_hash(PyObject *o)
         if (!overflow && v >= 0 && v < ((1LL << 61) - 1)) return (Py_uhash_t)v;
     }
     return (Py_uhash_t)PyObject_Hash(o);
+}
+
+/* The chain over token hashes already taken (``token_hash``): ``n_blocks`` blocks of ``block_size``
+ * from ``hashes``, the first at depth ``start``, continuing ``seed``; -1 (no exception set) if a depth
+ * is out of range. The one copy of the arithmetic: ``chain`` and the capsule's callers use it. */
+static int
+chain_words(const uint64_t *hashes, Py_ssize_t n_blocks, Py_ssize_t block_size, int64_t seed,
+            Py_ssize_t start, int64_t *out)
+{
+    if (start < 0 || (size_t)(start + n_blocks) >= (((size_t)1 << 61) - 1)) return -1;
+    /* The tuple's length term, as tuplehash adds it after the lanes. */
+    Py_uhash_t tail = (Py_uhash_t)(block_size + 1) ^ (XXPRIME_5 ^ 3527539UL);
+    uint64_t running = (uint64_t)seed;
+    for (Py_ssize_t k = 0; k < n_blocks; k++) {
+        Py_uhash_t acc = XXPRIME_5;
+        /* Lane 0: hash(depth). A non-negative int below 2**61 - 1 hashes to itself. */
+        acc += (Py_uhash_t)(start + k) * XXPRIME_2;
+        acc = XXROTATE(acc);
+        acc *= XXPRIME_1;
+        const uint64_t *block = hashes + k * block_size;
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            acc += (Py_uhash_t)block[i] * XXPRIME_2;
+            acc = XXROTATE(acc);
+            acc *= XXPRIME_1;
+        }
+        acc += tail;
+        if (acc == (Py_uhash_t)-1) acc = 1546275796;
+        running += (uint64_t)acc;
+        out[k] = (int64_t)running;
+    }
+    return 0;
 }
 
 static PyObject *
@@ -59,46 +92,37 @@ chain(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / block_size;
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
+    PyObject *out = NULL;
+    uint64_t *hashes = PyMem_Malloc((size_t)(n * block_size + 1) * sizeof(uint64_t));
+    int64_t *words = PyMem_Malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (hashes == NULL || words == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    /* The tuple's length term, as tuplehash adds it after the lanes. */
-    Py_uhash_t tail = (Py_uhash_t)(block_size + 1) ^ (XXPRIME_5 ^ 3527539UL);
-    uint64_t running = (uint64_t)seed;
+    for (Py_ssize_t i = 0; i < n * block_size; i++) {
+        Py_uhash_t h = token_hash(items[i]);
+        if (h == (Py_uhash_t)-1) goto done;
+        hashes[i] = h;
+    }
+    if (chain_words(hashes, n, block_size, (int64_t)seed, start, words) < 0) {
+        PyErr_SetString(PyExc_OverflowError, "depth out of range");
+        goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
     for (Py_ssize_t k = 0; k < n; k++) {
-        Py_uhash_t acc = XXPRIME_5;
-        /* Lane 0: hash(depth). A non-negative int below 2**61 - 1 hashes to itself. */
-        Py_uhash_t lane = (Py_uhash_t)(start + k);
-        if ((size_t)(start + k) >= (((size_t)1 << 61) - 1)) {
-            PyErr_SetString(PyExc_OverflowError, "depth out of range");
-            goto fail;
+        PyObject *v = PyLong_FromLongLong((long long)words[k]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
         }
-        acc += lane * XXPRIME_2;
-        acc = XXROTATE(acc);
-        acc *= XXPRIME_1;
-        PyObject **block = items + k * block_size;
-        for (Py_ssize_t i = 0; i < block_size; i++) {
-            Py_uhash_t h = token_hash(block[i]);
-            if (h == (Py_uhash_t)-1) goto fail;
-            acc += h * XXPRIME_2;
-            acc = XXROTATE(acc);
-            acc *= XXPRIME_1;
-        }
-        acc += tail;
-        if (acc == (Py_uhash_t)-1) acc = 1546275796;
-        running += (uint64_t)acc;
-        PyObject *v = PyLong_FromLongLong((long long)(int64_t)running);
-        if (v == NULL) goto fail;
         PyList_SET_ITEM(out, k, v);
     }
+done:
+    PyMem_Free(hashes);
+    PyMem_Free(words);
     Py_DECREF(seq);
     return out;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -112,8 +136,19 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
+static const ChainAPI api = {chain_words};
+
 PyMODINIT_FUNC
 PyInit__chain(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *capsule = PyCapsule_New((void *)&api, CHAIN_CAPSULE, NULL);
+    int rc = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "_C_API", capsule);
+    Py_XDECREF(capsule);
+    if (rc < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

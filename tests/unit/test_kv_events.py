@@ -459,3 +459,91 @@ def test_the_native_translation_keys_sha256_hashes_by_their_low_64_bits() -> Non
     t.store(0, [digest], [11, 12], 2, 0)
     assert t.parent(0, digest) == (12, 2) and t.parent(1, digest) is None
     assert t.remove(0, [bytes(32)]) == (0, []) and t.remove(0, [digest]) == (1, [11, 12]) and len(t) == 0
+
+
+def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
+    """``apply_payload``'s one C call per batch (``Translation.apply_batch``: vLLM's msgpack read in
+    place) against the msgspec decode and event-by-event apply it replaces, on one random history of
+    published batches: root and continued runs at 1 and 2 of our blocks per engine block, unknown
+    parents, re-reported blocks, partial tails, more or fewer hashes than full blocks, empty runs, removals of
+    known and unknown blocks, clears, two KV cache groups, vLLM's optional fields, an index trimmed by
+    its capacity; and batches the C reader must decline untouched (LoRA, an offload medium, extra keys,
+    bytes or negative hashes, a block size that is not a multiple of ours, an unknown field or event,
+    truncated or trailing bytes, garbage). After every batch both hold the same index (LRU order and
+    times, owners, leaves), the same translation and the same counters."""
+    from dataclasses import replace
+
+    from coordinator.pipeline.scheduling.prefix import kv_events as module
+
+    assert module.NATIVE_MIRROR, "the _mirror extension was not built (is a C compiler installed?)"
+    clock = iter(range(1, 10**6))
+    now = [0.0]
+
+    def tick() -> float:
+        return now[0]
+
+    direct_ix, ref_ix = PrefixIndex(capacity_blocks=60, clock=tick), PrefixIndex(capacity_blocks=60, clock=tick)
+    direct, ref = KvEventMirror(direct_ix, ENGINE, MODEL, BS), KvEventMirror(ref_ix, ENGINE, MODEL, BS)
+    ref._direct = False
+    rng = random.Random(17)
+    known: list[int] = []
+    tokens_pool = [rng.randrange(50_000) for _ in range(4096)]
+    peak = 0
+
+    def run(bs: int) -> dict[str, Any]:
+        blocks = rng.randrange(0, 5)
+        at = rng.randrange(0, 3000)
+        tokens = tokens_pool[at:at + blocks * bs + rng.choice([0, 0, 0, 5])]   # sometimes a partial tail
+        hashes = [rng.choice(known) if known and rng.random() < 0.15 else rng.randrange(2**64)
+                  for _ in range(max(0, blocks + rng.choice([-1, 0, 0, 1])))]
+        known.extend(hashes)
+        parent = None if rng.random() < 0.3 else (
+            rng.choice(known) if known and rng.random() < 0.85 else rng.randrange(2**64))
+        event: dict[str, Any] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                                 "token_ids": tokens, "block_size": bs, "lora_id": None,
+                                 "medium": rng.choice(["GPU", "GPU", None]), "lora_name": None}
+        for key, value in (("group_idx", rng.choice([0, 1, None])), ("kv_cache_spec_kind", "full_attention"),
+                           ("kv_cache_spec_sliding_window", None), ("locality", "local"),
+                           ("session_id", None)):
+            if rng.random() < 0.4:
+                event[key] = value
+        return event
+
+    def gone() -> dict[str, Any]:
+        hashes = [*rng.sample(known, min(len(known), rng.randrange(5))), rng.randrange(2**64)]
+        event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+        if rng.random() < 0.5:
+            event["group_idx"] = rng.choice([0, 1])
+        return event
+
+    declined = [
+        lambda e: e.update(lora_name="adapter", lora_id=3), lambda e: e.update(medium="CPU"),
+        lambda e: e.update(extra_keys=[["img", 0]] * len(e["block_hashes"])),
+        lambda e: e.update(block_hashes=[h.to_bytes(8, "big") for h in e["block_hashes"]]),
+        lambda e: e.update(parent_block_hash=-5), lambda e: e.update(block_size=24),
+        lambda e: e.update(surprise=1), lambda e: e.update(type="BlockMoved"),
+    ]
+    for step in range(1500):
+        now[0] = float(next(clock))
+        roll = rng.random()
+        events: list[dict[str, Any]] = []
+        for _ in range(rng.randrange(1, 4)):
+            events.append(run(rng.choice([BS, BS, 2 * BS])) if rng.random() < 0.6 else gone())
+        if roll < 0.03:
+            events.append({"type": "AllBlocksCleared"})
+        elif roll < 0.15:
+            rng.choice(declined)(events[0])
+        body = ENC.encode([time.time(), events, rng.choice([None, 0])][:rng.choice([2, 3])])
+        if 0.15 <= roll < 0.18:
+            body = rng.choice([body[:-3], body + b"\x00", b"\xc1garbage"])
+        direct.apply_payload(body)
+        ref.apply_payload(body)
+        assert direct_ix.state() == ref_ix.state(), step
+        assert direct._primary.trans.state() == ref._primary.trans.state(), step
+        assert replace(direct.stats, direct_batches=0) == ref.stats, step
+        peak = max(peak, direct_ix.blocks(ENGINE))
+    s = direct.stats
+    assert ref.stats.direct_batches == 0 and 1500 * 0.7 < s.direct_batches < 1500 * 0.9, s
+    assert s.blocks_stored and s.blocks_removed and s.clears and s.unknown_parent and s.bad_payloads, s
+    assert s.unsupported_block_size and s.other_medium, s
+    assert peak == 60   # the capacity trimmed it

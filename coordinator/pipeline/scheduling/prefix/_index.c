@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_index.h"
 #include "_tables.h"
 
 #define NIL UINT32_MAX
@@ -473,30 +474,13 @@ reserve(Index *ix, Py_ssize_t n)
 /* add(engine, hashes, parent, now): ``PrefixIndex.add`` without the trimming. Each hash moves to the
  * fresh end of the engine's LRU, the chain's tail first (a hash met twice keeps the place of its last
  * occurrence); blocks the engine did not hold get it as an owner; a block new to the index continues
- * the block before it (which stops being a leaf) and is a leaf itself. */
-static PyObject *
-Index_add(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+ * the block before it (which stops being a leaf) and is a leaf itself. ``hs`` may be ``hscratch``
+ * (``reserve`` keeps it where it is once it holds ``n``). */
+static int
+add_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n, int has_parent, int64_t parent, double now)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "add(engine, hashes, parent, now)");
-        return NULL;
-    }
-    double now = PyFloat_AsDouble(args[3]);
-    if (now == -1.0 && PyErr_Occurred()) return NULL;
-    int has_parent = args[2] != Py_None;
-    int64_t parent = 0;
-    if (has_parent && as_hash(args[2], &parent) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    uint32_t e = engine_id(ix, args[0], 1);
-    if (e == NIL || reserve(ix, n) < 0) goto fail;
+    if (reserve(ix, n) < 0 || make_present(ix, e) < 0) return -1;
     uint32_t *at = ix->scratch;
-    int64_t *hs = ix->hscratch;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (as_hash(items[i], &hs[i]) < 0) goto fail;
-    if (make_present(ix, e) < 0) goto fail;
     uint32_t stamp = next_epoch(ix);
     Py_ssize_t created = 0;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {   /* the tail first */
@@ -505,7 +489,7 @@ Index_add(Index *ix, PyObject *const *args, Py_ssize_t nargs)
         uint32_t x = ix->table[slot];
         if (x == NIL) {
             x = node_alloc(ix);
-            if (x == NIL) goto fail;
+            if (x == NIL) return -1;
             ix->nodes[x] = (Node){h, now, e, NIL, NIL, stamp, stamp};
             ix->table[slot] = x;
             ix->table_used++;
@@ -536,13 +520,38 @@ Index_add(Index *ix, PyObject *const *args, Py_ssize_t nargs)
                         if (p != NULL) p->leaf = 0;
                     }
                 } else if (owner_add(ix, o, e) < 0) {
-                    goto fail;
+                    return -1;
                 }
             }
             prev = h;
             prev_set = 1;
         }
     }
+    return 0;
+}
+
+static PyObject *
+Index_add(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "add(engine, hashes, parent, now)");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[3]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    int has_parent = args[2] != Py_None;
+    int64_t parent = 0;
+    if (has_parent && as_hash(args[2], &parent) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t e = engine_id(ix, args[0], 1);
+    if (e == NIL || reserve(ix, n) < 0) goto fail;
+    int64_t *hs = ix->hscratch;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (as_hash(items[i], &hs[i]) < 0) goto fail;
+    if (add_words(ix, e, hs, n, has_parent, parent, now) < 0) goto fail;
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
@@ -558,6 +567,16 @@ held_engine(Index *ix, PyObject *name, uint32_t *out)
     if (*out == NIL && PyErr_Occurred()) return -1;
     if (*out != NIL && !ix->engines[*out].present) *out = NIL;
     return 0;
+}
+
+static void
+remove_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n)
+{
+    if (e == NIL || !ix->engines[e].count) return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t x = node_get(ix, e, hs[i]);
+        if (x != NIL) drop_node(ix, x);
+    }
 }
 
 /* remove(engine, hashes): each block the engine holds leaves its LRU, and the engine its owners. */
@@ -579,10 +598,7 @@ Index_remove(Index *ix, PyObject *const *args, Py_ssize_t nargs)
         int64_t *hs = ix->hscratch;
         for (Py_ssize_t i = 0; i < n; i++)
             if (as_hash(items[i], &hs[i]) < 0) goto fail;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t x = node_get(ix, e, hs[i]);
-            if (x != NIL) drop_node(ix, x);
-        }
+        remove_words(ix, e, hs, n);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
@@ -592,16 +608,31 @@ fail:
 }
 
 /* clear(engine): the engine lost everything or left; it is no longer among ``engines()``. */
+static int
+clear_engine(Index *ix, PyObject *name)
+{
+    uint32_t e;
+    if (held_engine(ix, name, &e) < 0) return -1;
+    if (e == NIL) return 0;
+    while (ix->engines[e].head != NIL) drop_node(ix, ix->engines[e].head);
+    ix->engines[e].present = 0;
+    return PyDict_DelItem(ix->order, name);
+}
+
 static PyObject *
 Index_clear(Index *ix, PyObject *name)
 {
-    uint32_t e;
-    if (held_engine(ix, name, &e) < 0) return NULL;
-    if (e == NIL) Py_RETURN_NONE;
-    while (ix->engines[e].head != NIL) drop_node(ix, ix->engines[e].head);
-    ix->engines[e].present = 0;
-    if (PyDict_DelItem(ix->order, name) < 0) return NULL;
+    if (clear_engine(ix, name) < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+static void
+trim_words(Index *ix, uint32_t e, long long capacity, double oldest)
+{
+    if (e == NIL) return;
+    Engine *en = &ix->engines[e];
+    while (capacity >= 0 && en->count > (uint64_t)capacity) drop_node(ix, en->head);
+    while (en->head != NIL && ix->nodes[en->head].time < oldest) drop_node(ix, en->head);
 }
 
 /* trim(engine, capacity, oldest): drop the engine's oldest blocks past ``capacity`` (negative: no
@@ -619,10 +650,7 @@ Index_trim(Index *ix, PyObject *const *args, Py_ssize_t nargs)
     if (capacity == -1 && PyErr_Occurred()) return NULL;
     double oldest = PyFloat_AsDouble(args[2]);
     if (oldest == -1.0 && PyErr_Occurred()) return NULL;
-    if (e == NIL) Py_RETURN_NONE;
-    Engine *en = &ix->engines[e];
-    while (capacity >= 0 && en->count > (uint64_t)capacity) drop_node(ix, en->head);
-    while (en->head != NIL && ix->nodes[en->head].time < oldest) drop_node(ix, en->head);
+    trim_words(ix, e, capacity, oldest);
     Py_RETURN_NONE;
 }
 
@@ -941,6 +969,44 @@ static PyTypeObject IndexType = {
     .tp_new = Index_new,
 };
 
+/* --- the C face (``_index.h``) ------------------------------------------------------------------ */
+
+static int
+api_check(PyObject *obj)
+{
+    return PyObject_TypeCheck(obj, &IndexType);
+}
+
+static int
+api_add(PyObject *obj, PyObject *engine, const int64_t *hs, Py_ssize_t n, int has_parent, int64_t parent,
+        double now, long long capacity)
+{
+    Index *ix = (Index *)obj;
+    if (n == 0) return 0;
+    uint32_t e = engine_id(ix, engine, 1);
+    if (e == NIL || add_words(ix, e, hs, n, has_parent, parent, now) < 0) return -1;
+    trim_words(ix, e, capacity, -INFINITY);
+    return 0;
+}
+
+static int
+api_remove(PyObject *obj, PyObject *engine, const int64_t *hs, Py_ssize_t n)
+{
+    Index *ix = (Index *)obj;
+    uint32_t e;
+    if (held_engine(ix, engine, &e) < 0) return -1;
+    remove_words(ix, e, hs, n);
+    return 0;
+}
+
+static int
+api_clear(PyObject *obj, PyObject *engine)
+{
+    return clear_engine((Index *)obj, engine);
+}
+
+static const IndexAPI api = {api_check, api_add, api_remove, api_clear};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_index", "PrefixIndex's storage in C (index.py).", -1, NULL,
     NULL, NULL, NULL, NULL,
@@ -952,7 +1018,10 @@ PyInit__index(void)
     if (PyType_Ready(&IndexType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0) {
+    PyObject *capsule = PyCapsule_New((void *)&api, INDEX_CAPSULE, NULL);
+    int rc = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "_C_API", capsule);
+    Py_XDECREF(capsule);
+    if (rc < 0 || PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

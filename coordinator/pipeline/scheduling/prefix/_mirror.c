@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../../contracts/_chain.h"
+#include "_index.h"
 #include "_tables.h"
 
 typedef struct {
@@ -49,6 +51,11 @@ typedef struct {
     Py_ssize_t keys_cap, ours_cap;
     int64_t *freed;      /* scratch: hashes whose engine blocks all left */
     Py_ssize_t freed_cap;
+    /* scratch of ``apply_batch``: a batch's events, their engine hashes and tokens, our hashes */
+    struct WireEvent *wev;
+    uint64_t *wkeys, *wtok;
+    int64_t *wours;
+    Py_ssize_t wev_cap, wkeys_cap, wtok_cap, wours_cap;
 } Translation;
 
 static inline uint64_t
@@ -264,6 +271,10 @@ Translation_dealloc(Translation *t)
     PyMem_Free(t->keys);
     PyMem_Free(t->ours);
     PyMem_Free(t->freed);
+    PyMem_Free(t->wev);
+    PyMem_Free(t->wkeys);
+    PyMem_Free(t->wtok);
+    PyMem_Free(t->wours);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -305,6 +316,14 @@ as_group(PyObject *obj, int32_t *out)
     return 0;
 }
 
+/* The entry of a block the engine reported, or NULL. */
+static const Entry *
+find_entry(Translation *t, int32_t group, uint64_t key)
+{
+    const Entry *e = &t->entries[entry_slot(t, group, key)];
+    return e->per ? e : NULL;
+}
+
 /* parent(group, engine_hash) -> (our last hash, depth) of a block the engine reported, or None. */
 static PyObject *
 Translation_parent(Translation *t, PyObject *const *args, Py_ssize_t nargs)
@@ -316,9 +335,70 @@ Translation_parent(Translation *t, PyObject *const *args, Py_ssize_t nargs)
     int32_t group;
     uint64_t key;
     if (as_group(args[0], &group) < 0 || engine_key(args[1], &key) < 0) return NULL;
-    Entry *e = &t->entries[entry_slot(t, group, key)];
-    if (e->per == 0) Py_RETURN_NONE;
+    const Entry *e = find_entry(t, group, key);
+    if (e == NULL) Py_RETURN_NONE;
     return Py_BuildValue("(LL)", (long long)entry_ours(e)[e->per - 1], (long long)e->depth);
+}
+
+/* ``store`` over machine words: engine block ``i`` (key ``keys[i]``) is ``ours[i*per:(i+1)*per]``.
+ * ``keys`` and ``ours`` must not be the table's own scratch that this call grows (they are not). */
+static int
+store_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, const int64_t *ours,
+            uint32_t per, long long start)
+{
+    Py_ssize_t m = n * (Py_ssize_t)per;
+    if (grow_entries(t, (uint64_t)n) < 0 || grow_counts(t, (uint64_t)m) < 0) return -1;
+    int64_t **arrays = NULL;   /* allocated before any change, so a failure changes nothing */
+    if (per > 1) {
+        arrays = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int64_t *));
+        if (arrays == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            arrays[i] = PyMem_Malloc((size_t)per * sizeof(int64_t));
+            if (arrays[i] == NULL) {
+                for (Py_ssize_t j = 0; j < i; j++) PyMem_Free(arrays[j]);
+                PyMem_Free(arrays);
+                PyErr_NoMemory();
+                return -1;
+            }
+        }
+    }
+    uint32_t stamp = next_epoch(t);
+    /* blocks reported again give up their old mapping first */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t slot = entry_slot(t, group, keys[i]);
+        Entry *e = &t->entries[slot];
+        if (e->per == 0) continue;
+        const int64_t *old = entry_ours(e);
+        for (uint32_t k = 0; k < e->per; k++) release(t, old[k]);
+        entry_delete(t, slot);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t slot = entry_slot(t, group, keys[i]);
+        Entry *e = &t->entries[slot];
+        if (e->per) PyMem_Free(e->many);   /* met twice in this call: the last one counts */
+        else t->entries_used++;
+        *e = (Entry){keys[i], (int64_t)(start + (long long)(i + 1) * per), 0, NULL, group, per, stamp, 0};
+        if (per == 1) e->one = ours[i];
+        else {
+            e->many = arrays[i];
+            memcpy(e->many, &ours[i * per], (size_t)per * sizeof(int64_t));
+        }
+    }
+    PyMem_Free(arrays);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Count *c = &t->counts[count_slot(t, ours[i])];
+        if (c->count == 0) {
+            *c = (Count){ours[i], 1, stamp};
+            t->counts_used++;
+        } else if (c->stamp != stamp) {
+            c->count++;
+            c->stamp = stamp;
+        }
+    }
+    return 0;
 }
 
 /* store(group, engine_hashes, ours, per, start): engine block ``i`` is ``ours[i*per:(i+1)*per]``, at
@@ -358,58 +438,7 @@ Translation_store(Translation *t, PyObject *const *args, Py_ssize_t nargs)
     PyObject **items = PySequence_Fast_ITEMS(oseq);
     for (Py_ssize_t i = 0; i < m; i++)
         if (our_hash(items[i], &t->ours[i]) < 0) goto fail;
-    if (grow_entries(t, (uint64_t)n) < 0 || grow_counts(t, (uint64_t)m) < 0) goto fail;
-    int64_t **arrays = NULL;   /* allocated before any change, so a failure changes nothing */
-    if (per > 1) {
-        arrays = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int64_t *));
-        if (arrays == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            arrays[i] = PyMem_Malloc((size_t)per * sizeof(int64_t));
-            if (arrays[i] == NULL) {
-                for (Py_ssize_t j = 0; j < i; j++) PyMem_Free(arrays[j]);
-                PyMem_Free(arrays);
-                PyErr_NoMemory();
-                goto fail;
-            }
-        }
-    }
-    uint32_t stamp = next_epoch(t);
-    /* blocks reported again give up their old mapping first */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t slot = entry_slot(t, group, t->keys[i]);
-        Entry *e = &t->entries[slot];
-        if (e->per == 0) continue;
-        const int64_t *old = entry_ours(e);
-        for (uint32_t k = 0; k < e->per; k++) release(t, old[k]);
-        entry_delete(t, slot);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t slot = entry_slot(t, group, t->keys[i]);
-        Entry *e = &t->entries[slot];
-        if (e->per) PyMem_Free(e->many);   /* met twice in this call: the last one counts */
-        else t->entries_used++;
-        *e = (Entry){t->keys[i], (int64_t)(start + (long long)(i + 1) * per), 0, NULL, group, (uint32_t)per,
-                     stamp, 0};
-        if (per == 1) e->one = t->ours[i];
-        else {
-            e->many = arrays[i];
-            memcpy(e->many, &t->ours[i * per], (size_t)per * sizeof(int64_t));
-        }
-    }
-    PyMem_Free(arrays);
-    for (Py_ssize_t i = 0; i < m; i++) {
-        Count *c = &t->counts[count_slot(t, t->ours[i])];
-        if (c->count == 0) {
-            *c = (Count){t->ours[i], 1, stamp};
-            t->counts_used++;
-        } else if (c->stamp != stamp) {
-            c->count++;
-            c->stamp = stamp;
-        }
-    }
+    if (store_words(t, group, t->keys, n, t->ours, (uint32_t)per, start) < 0) goto fail;
     Py_DECREF(eseq);
     Py_DECREF(oseq);
     Py_RETURN_NONE;
@@ -417,6 +446,27 @@ fail:
     Py_DECREF(eseq);
     Py_DECREF(oseq);
     return NULL;
+}
+
+/* ``remove`` over machine words: the hashes freed go to ``t->freed`` (their count into ``*freed``);
+ * returns the engine blocks found, or -1. */
+static Py_ssize_t
+remove_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, Py_ssize_t *freed)
+{
+    Py_ssize_t found = 0;
+    *freed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t slot = entry_slot(t, group, keys[i]);
+        Entry *e = &t->entries[slot];
+        if (e->per == 0) continue;
+        found++;
+        if (room((void **)&t->freed, &t->freed_cap, *freed + e->per, sizeof(int64_t)) < 0) return -1;
+        const int64_t *ours = entry_ours(e);
+        for (uint32_t k = 0; k < e->per; k++)
+            if (release(t, ours[k])) t->freed[(*freed)++] = ours[k];
+        entry_delete(t, slot);
+    }
+    return found;
 }
 
 /* remove(group, engine_hashes) -> (engine blocks found, our hashes no engine block maps to any more). */
@@ -431,20 +481,11 @@ Translation_remove(Translation *t, PyObject *const *args, Py_ssize_t nargs)
     if (as_group(args[0], &group) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[1], "engine_hashes must be iterable");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = load_keys(t, seq), found = 0, freed = 0;
+    Py_ssize_t n = load_keys(t, seq), freed = 0;
     Py_DECREF(seq);
     if (n < 0) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t slot = entry_slot(t, group, t->keys[i]);
-        Entry *e = &t->entries[slot];
-        if (e->per == 0) continue;
-        found++;
-        if (room((void **)&t->freed, &t->freed_cap, freed + e->per, sizeof(int64_t)) < 0) return NULL;
-        const int64_t *ours = entry_ours(e);
-        for (uint32_t k = 0; k < e->per; k++)
-            if (release(t, ours[k])) t->freed[freed++] = ours[k];
-        entry_delete(t, slot);
-    }
+    Py_ssize_t found = remove_words(t, group, t->keys, n, &freed);
+    if (found < 0) return NULL;
     PyObject *gone = PyList_New(freed);
     if (gone == NULL) return NULL;
     for (Py_ssize_t i = 0; i < freed; i++) {
@@ -456,6 +497,372 @@ Translation_remove(Translation *t, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(gone, i, h);
     }
     return Py_BuildValue("(nN)", found, gone);
+}
+
+/* --- a published batch, applied without Python objects ---------------------------------------- */
+
+/* Why parse msgpack here rather than with msgspec: the intake's cost per block was the Python between
+ * the calls (a decoded event object, lists of ints, three method calls per event), not the tables.
+ * Only the shape vLLM publishes for a model without LoRA, media or offload tiers is read here:
+ * anything else (another medium, extra keys, bytes hashes, an unknown field or event, a malformed
+ * batch) makes ``apply_batch`` return None before it changes anything, and the caller decodes the
+ * batch with msgspec and applies it in Python (kv_events.py), which stays the reference. */
+
+enum { EV_STORED = 1, EV_REMOVED = 2, EV_CLEARED = 3 };
+
+typedef struct WireEvent {
+    int kind;
+    int32_t group;
+    int has_parent;
+    uint64_t parent;
+    long long block_size;
+    Py_ssize_t keys, n_keys;       /* into ``wkeys`` */
+    Py_ssize_t tokens, n_tokens;   /* into ``wtok`` */
+} WireEvent;
+
+typedef struct {
+    const uint8_t *p, *end;
+} Reader;
+
+static inline uint64_t
+big_endian(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* A length behind a one-byte header: ``fix`` headers carry it in their low bits (``fix_mask``);
+ * ``h16``/``h32`` are followed by 2 or 4 bytes of it. -1: not this kind of object, or truncated. */
+static inline int
+read_length(Reader *r, uint8_t fix_lo, uint8_t fix_mask, uint8_t h8, uint8_t h16, uint8_t h32,
+            uint32_t *n)
+{
+    if (r->p >= r->end) return -1;
+    uint8_t b = *r->p;
+    int width;
+    if ((b & (uint8_t)~fix_mask) == fix_lo) {
+        *n = b & fix_mask;
+        r->p++;
+        return 0;
+    }
+    if (h8 && b == h8) width = 1;
+    else if (b == h16) width = 2;
+    else if (b == h32) width = 4;
+    else return -1;
+    if (r->end - r->p < 1 + width) return -1;
+    *n = (uint32_t)big_endian(r->p + 1, width);
+    r->p += 1 + width;
+    return 0;
+}
+
+static inline int
+read_array(Reader *r, uint32_t *n)
+{
+    return read_length(r, 0x90, 0x0f, 0, 0xdc, 0xdd, n);
+}
+
+static inline int
+read_map(Reader *r, uint32_t *n)
+{
+    return read_length(r, 0x80, 0x0f, 0, 0xde, 0xdf, n);
+}
+
+static inline int
+read_str(Reader *r, const char **s, uint32_t *n)
+{
+    if (read_length(r, 0xa0, 0x1f, 0xd9, 0xda, 0xdb, n) < 0 || (uint64_t)(r->end - r->p) < *n) return -1;
+    *s = (const char *)r->p;
+    r->p += *n;
+    return 0;
+}
+
+/* nil: consumed, 1; anything else: left, 0. */
+static inline int
+read_nil(Reader *r)
+{
+    if (r->p < r->end && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A non-negative integer (msgpack's positive fixint or uint 8-64). */
+static inline int
+read_uint(Reader *r, uint64_t *v)
+{
+    if (r->p >= r->end) return -1;
+    uint8_t b = *r->p;
+    if (b <= 0x7f) {
+        *v = b;
+        r->p++;
+        return 0;
+    }
+    int width = b == 0xcc ? 1 : b == 0xcd ? 2 : b == 0xce ? 4 : b == 0xcf ? 8 : 0;
+    if (width == 0 || r->end - r->p < 1 + width) return -1;
+    *v = big_endian(r->p + 1, width);
+    r->p += 1 + width;
+    return 0;
+}
+
+/* An integer of either sign that fits in a long long. */
+static inline int
+read_int(Reader *r, long long *v)
+{
+    if (r->p >= r->end) return -1;
+    uint8_t b = *r->p;
+    if (b >= 0xe0) {
+        *v = (int8_t)b;
+        r->p++;
+        return 0;
+    }
+    int width = b == 0xd0 ? 1 : b == 0xd1 ? 2 : b == 0xd2 ? 4 : b == 0xd3 ? 8 : 0;
+    if (width) {
+        if (r->end - r->p < 1 + width) return -1;
+        uint64_t u = big_endian(r->p + 1, width);
+        int shift = 64 - 8 * width;   /* sign-extend */
+        *v = (long long)((int64_t)(u << shift) >> shift);
+        r->p += 1 + width;
+        return 0;
+    }
+    uint64_t u;
+    if (read_uint(r, &u) < 0 || u > (uint64_t)INT64_MAX) return -1;
+    *v = (long long)u;
+    return 0;
+}
+
+/* An array of non-negative integers below ``limit`` appended to ``*buf`` (at ``*used``). */
+static int
+read_uints(Reader *r, uint64_t **buf, Py_ssize_t *cap, Py_ssize_t *used, Py_ssize_t *n, uint64_t limit)
+{
+    uint32_t len;
+    if (read_array(r, &len) < 0 || (uint64_t)(r->end - r->p) < len) return -1;
+    if (room((void **)buf, cap, *used + (Py_ssize_t)len, sizeof(uint64_t)) < 0) return -2;
+    uint64_t *out = *buf + *used;
+    for (uint32_t i = 0; i < len; i++)
+        if (read_uint(r, &out[i]) < 0 || out[i] >= limit) return -1;
+    *n = len;
+    *used += len;
+    return 0;
+}
+
+static inline int
+key_is(const char *k, uint32_t n, const char *name)
+{
+    return strlen(name) == n && memcmp(k, name, n) == 0;
+}
+
+enum {
+    F_HASHES = 1 << 0, F_PARENT = 1 << 1, F_TOKENS = 1 << 2, F_BLOCK_SIZE = 1 << 3, F_LORA_ID = 1 << 4,
+    F_MEDIUM = 1 << 5, F_LORA_NAME = 1 << 6, F_EXTRA = 1 << 7, F_GROUP = 1 << 8, F_STORED_ONLY = 1 << 9,
+    F_REMOVED_TOO = 1 << 10,
+    STORED_NEEDS = F_HASHES | F_PARENT | F_TOKENS | F_BLOCK_SIZE | F_LORA_ID | F_MEDIUM | F_LORA_NAME,
+    REMOVED_NEEDS = F_HASHES | F_MEDIUM,
+    REMOVED_MAY = F_HASHES | F_MEDIUM | F_GROUP | F_REMOVED_TOO,
+};
+
+/* A token id is its own hash below 2**61 - 1 (``_chain.c``); anything larger: Python's path. */
+#define TOKEN_LIMIT ((((uint64_t)1) << 61) - 1)
+
+/* One event of the batch into ``ev`` (its ints into the scratch). -1: not the common shape; -2: an
+ * exception is set. */
+static int
+read_event(Translation *t, Reader *r, WireEvent *ev, Py_ssize_t *keys_used, Py_ssize_t *tok_used)
+{
+    uint32_t fields;
+    if (read_map(r, &fields) < 0) return -1;
+    memset(ev, 0, sizeof(*ev));
+    unsigned seen = 0;
+    for (uint32_t f = 0; f < fields; f++) {
+        const char *k, *v;
+        uint32_t kn, vn;
+        int rc = 0;
+        if (read_str(r, &k, &kn) < 0) return -1;
+        if (key_is(k, kn, "type")) {
+            if (read_str(r, &v, &vn) < 0) return -1;
+            ev->kind = key_is(v, vn, "BlockStored") ? EV_STORED : key_is(v, vn, "BlockRemoved") ? EV_REMOVED
+                       : key_is(v, vn, "AllBlocksCleared") ? EV_CLEARED : 0;
+            if (ev->kind == 0) return -1;
+        } else if (key_is(k, kn, "block_hashes")) {
+            ev->keys = *keys_used;
+            rc = read_uints(r, &t->wkeys, &t->wkeys_cap, keys_used, &ev->n_keys, UINT64_MAX);
+            seen |= F_HASHES;
+        } else if (key_is(k, kn, "parent_block_hash")) {
+            ev->has_parent = !read_nil(r);
+            if (ev->has_parent && read_uint(r, &ev->parent) < 0) return -1;
+            seen |= F_PARENT;
+        } else if (key_is(k, kn, "token_ids")) {
+            ev->tokens = *tok_used;
+            rc = read_uints(r, &t->wtok, &t->wtok_cap, tok_used, &ev->n_tokens, TOKEN_LIMIT);
+            seen |= F_TOKENS;
+        } else if (key_is(k, kn, "block_size")) {
+            if (read_int(r, &ev->block_size) < 0) return -1;
+            seen |= F_BLOCK_SIZE;
+        } else if (key_is(k, kn, "lora_id") || key_is(k, kn, "lora_name") || key_is(k, kn, "extra_keys")) {
+            if (!read_nil(r)) return -1;   /* LoRA and media: Python's path */
+            seen |= k[0] == 'e' ? F_EXTRA : kn == 7 ? F_LORA_ID : F_LORA_NAME;
+        } else if (key_is(k, kn, "medium")) {
+            if (!read_nil(r) && (read_str(r, &v, &vn) < 0 || !key_is(v, vn, "GPU"))) return -1;
+            seen |= F_MEDIUM;
+        } else if (key_is(k, kn, "group_idx")) {
+            long long g = 0;
+            if (!read_nil(r) && (read_int(r, &g) < 0 || g < 0 || g > INT32_MAX)) return -1;
+            ev->group = (int32_t)g;
+            seen |= F_GROUP;
+        } else if (key_is(k, kn, "locality") || key_is(k, kn, "ownership")) {
+            if (!read_nil(r) && read_str(r, &v, &vn) < 0) return -1;
+            seen |= F_REMOVED_TOO;
+        } else if (key_is(k, kn, "kv_cache_spec_kind") || key_is(k, kn, "session_id")) {
+            if (!read_nil(r) && read_str(r, &v, &vn) < 0) return -1;
+            seen |= F_STORED_ONLY;
+        } else if (key_is(k, kn, "kv_cache_spec_sliding_window")) {
+            long long w;
+            if (!read_nil(r) && read_int(r, &w) < 0) return -1;
+            seen |= F_STORED_ONLY;
+        } else {
+            return -1;   /* a field this reader does not know */
+        }
+        if (rc) return rc;
+    }
+    switch (ev->kind) {
+    case EV_STORED:
+        return (seen & STORED_NEEDS) == STORED_NEEDS ? 0 : -1;
+    case EV_REMOVED:
+        return (seen & REMOVED_NEEDS) == REMOVED_NEEDS && (seen & ~(unsigned)REMOVED_MAY) == 0 ? 0 : -1;
+    case EV_CLEARED:
+        return seen == 0 ? 0 : -1;
+    default:
+        return -1;
+    }
+}
+
+/* The whole batch into ``t->wev``: its event count, -1 if it is not the common shape, -2 on an
+ * exception. Nothing of the translation changes. */
+static Py_ssize_t
+read_batch(Translation *t, const uint8_t *data, Py_ssize_t size, Py_ssize_t our_block_size)
+{
+    Reader r = {data, data + size};
+    uint32_t top, n;
+    if (read_array(&r, &top) < 0 || (top != 2 && top != 3)) return -1;
+    if (r.p >= r.end || (*r.p != 0xcb && *r.p != 0xca)) return -1;   /* ts: a float */
+    Py_ssize_t ts_size = *r.p == 0xcb ? 9 : 5;
+    if (r.end - r.p < ts_size) return -1;
+    r.p += ts_size;
+    if (read_array(&r, &n) < 0) return -1;
+    if (room((void **)&t->wev, &t->wev_cap, (Py_ssize_t)n, sizeof(WireEvent)) < 0) return -2;
+    Py_ssize_t keys_used = 0, tok_used = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        WireEvent *ev = &t->wev[i];
+        int rc = read_event(t, &r, ev, &keys_used, &tok_used);
+        if (rc) return rc;
+        if (ev->kind == EV_STORED && ev->n_tokens
+            && (ev->block_size <= 0 || ev->block_size % our_block_size)) return -1;   /* warned there */
+    }
+    if (top == 3) {   /* data_parallel_rank */
+        long long rank;
+        if (!read_nil(&r) && read_int(&r, &rank) < 0) return -1;
+    }
+    return r.p == r.end ? (Py_ssize_t)n : -1;
+}
+
+static const IndexAPI *index_api;
+static const ChainAPI *chain_api;
+
+/* apply_batch(payload, index, engine, block_size, root_seed, now, capacity): the published batch
+ * ``payload`` applied to this (the primary medium's) translation and ``index`` (an ``_index.Index``)
+ * under ``engine``, as ``KvEventMirror.apply_payload`` would with no offload tiers, re-hashed at
+ * ``block_size`` from ``root_seed`` for a root run, each add trimmed to ``capacity`` (negative: no
+ * bound). Returns ``(blocks stored, blocks removed, clears, runs of unknown parent, runs without
+ * tokens, the last stored run's block size or -1)``, or None -- nothing changed -- when the batch is
+ * not the common shape or the other extensions are missing. */
+static PyObject *
+Translation_apply_batch(Translation *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "apply_batch(payload, index, engine, block_size, root_seed, now, capacity)");
+        return NULL;
+    }
+    if (index_api == NULL || chain_api == NULL) Py_RETURN_NONE;
+    PyObject *index = args[1], *engine = args[2];
+    if (!index_api->check(index) || !PyUnicode_Check(engine)) {
+        PyErr_SetString(PyExc_TypeError, "apply_batch needs an _index.Index and an engine name (str)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[3]);
+    if (bs == -1 && PyErr_Occurred()) return NULL;
+    long long root = PyLong_AsLongLong(args[4]);
+    if (root == -1 && PyErr_Occurred()) return NULL;
+    double now = PyFloat_AsDouble(args[5]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    long long capacity = PyLong_AsLongLong(args[6]);
+    if (capacity == -1 && PyErr_Occurred()) return NULL;
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t n = read_batch(t, (const uint8_t *)view.buf, view.len, bs);
+    PyObject *result = NULL;
+    if (n == -1) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (n < 0) goto done;
+    Py_ssize_t stored = 0, removed = 0, clears = 0, unknown = 0, no_tokens = 0;
+    long long engine_block_size = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const WireEvent *ev = &t->wev[i];
+        if (ev->kind == EV_CLEARED) {
+            clears++;
+            if (Translation_reset(t) < 0 || index_api->clear(index, engine) < 0) goto done;
+            continue;
+        }
+        const uint64_t *keys = t->wkeys + ev->keys;
+        if (ev->kind == EV_REMOVED) {
+            Py_ssize_t freed;
+            Py_ssize_t found = remove_words(t, ev->group, keys, ev->n_keys, &freed);
+            if (found < 0) goto done;
+            removed += found;
+            if (freed && index_api->remove(index, engine, t->freed, freed) < 0) goto done;
+            continue;
+        }
+        if (ev->n_tokens == 0) {   /* an offload tier's placeholder: nothing to hash */
+            no_tokens++;
+            continue;
+        }
+        engine_block_size = ev->block_size;
+        int64_t seed = root;
+        long long start = 0;
+        if (ev->has_parent) {
+            const Entry *p = find_entry(t, ev->group, ev->parent);
+            if (p == NULL) {   /* missed event, or a partial tail's parent inside an engine block */
+                unknown++;
+                continue;
+            }
+            seed = entry_ours(p)[p->per - 1];
+            start = p->depth;
+        }
+        Py_ssize_t blocks = ev->n_tokens / ev->block_size;
+        if (blocks > ev->n_keys) blocks = ev->n_keys;
+        if (blocks == 0) continue;
+        uint32_t per = (uint32_t)(ev->block_size / bs);
+        Py_ssize_t m = blocks * per;
+        if (room((void **)&t->wours, &t->wours_cap, m, sizeof(int64_t)) < 0) goto done;
+        if (chain_api->chain(t->wtok + ev->tokens, m, bs, seed, (Py_ssize_t)start, t->wours) < 0) {
+            PyErr_SetString(PyExc_OverflowError, "depth out of range");
+            goto done;
+        }
+        if (store_words(t, ev->group, keys, blocks, t->wours, per, start) < 0) goto done;
+        stored += blocks;
+        if (index_api->add(index, engine, t->wours, m, ev->has_parent, seed, now, capacity) < 0) goto done;
+    }
+    result = Py_BuildValue("(nnnnnL)", stored, removed, clears, unknown, no_tokens, engine_block_size);
+done:
+    PyBuffer_Release(&view);
+    return result;
 }
 
 static PyObject *
@@ -521,6 +928,8 @@ static PyMethodDef Translation_methods[] = {
     {"remove", (PyCFunction)(void (*)(void))Translation_remove, METH_FASTCALL,
      "remove(group, engine_hashes) -> (engine blocks found, our hashes now unmapped)"},
     {"clear", (PyCFunction)Translation_clear, METH_NOARGS, "clear(): forget every engine block"},
+    {"apply_batch", (PyCFunction)(void (*)(void))Translation_apply_batch, METH_FASTCALL,
+     "apply_batch(payload, index, engine, block_size, root_seed, now, capacity) -> counts, or None"},
     {"state", (PyCFunction)Translation_state, METH_NOARGS,
      "state() -> (entries by (group, engine key), counts by our hash)"},
     {NULL, NULL, 0, NULL},
@@ -551,6 +960,13 @@ PyMODINIT_FUNC
 PyInit__mirror(void)
 {
     if (PyType_Ready(&TranslationType) < 0) return NULL;
+    /* Without the index's or the chain's extension every batch takes Python's path (None). */
+    index_api = PyCapsule_Import(INDEX_CAPSULE, 0);
+    chain_api = index_api == NULL ? NULL : PyCapsule_Import(CHAIN_CAPSULE, 0);
+    if (chain_api == NULL) {
+        index_api = NULL;
+        PyErr_Clear();
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Translation", (PyObject *)&TranslationType) < 0) {

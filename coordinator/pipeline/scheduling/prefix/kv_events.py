@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -133,6 +133,7 @@ class MirrorStats:
     no_tokens: int = 0               # stored runs without token ids (an offload tier's placeholders)
     unhashable_blocks: int = 0       # blocks not indexed: multimodal / prompt-embeds keys we cannot hash
     engine_block_size: int | None = None  # the block size of the last BlockStored (128 on vLLM CPU)
+    direct_batches: int = 0          # of ``batches``, applied in one C call (``apply_payload``)
 
 
 _Entry = tuple[tuple[BlockHash, ...], int]
@@ -272,13 +273,38 @@ class KvEventMirror:
         self._primary = _Medium(index)
         self._tiers = {name: _Medium(ix) for name, ix in (tiers or {}).items()}
         self._all = [self._primary, *self._tiers.values()]
+        # One C call per batch (``Translation.apply_batch``) when the batch can only touch the primary
+        # medium: no offload tiers to route to or take parents from, the primary media vLLM labels.
+        self._direct = NATIVE_MIRROR and not self._tiers and self.media == PRIMARY_MEDIA
+        self._root = chain_seed(model)
 
     @property
     def engine_blocks(self) -> int:
         return len(self._primary.trans)
 
     def apply_payload(self, payload: bytes) -> bool:
-        """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage."""
+        """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage.
+
+        The common batch (no LoRA, media or offload tier; vLLM's int hashes) is read and applied by
+        ``_mirror.c`` in one call when the index is native; any other batch, or one that call declines
+        (it changes nothing then), is decoded here and applied event by event, the reference."""
+        if self._direct and (writes := self.index.direct_writes()) is not None:
+            core, capacity, now = writes
+            done = cast(Any, self._primary.trans).apply_batch(payload, core, self.engine, self.block_size,
+                                                             self._root, now, capacity)
+            if done is not None:
+                stats = self.stats
+                stored, removed, clears, unknown, no_tokens, engine_block_size = done
+                stats.batches += 1
+                stats.direct_batches += 1
+                stats.blocks_stored += stored
+                stats.blocks_removed += removed
+                stats.clears += clears
+                stats.unknown_parent += unknown
+                stats.no_tokens += no_tokens
+                if engine_block_size >= 0:
+                    stats.engine_block_size = engine_block_size
+                return True
         try:
             events = decode_batch(payload)
         except (msgspec.MsgspecError, TypeError, ValueError) as exc:
