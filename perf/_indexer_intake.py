@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import statistics
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -96,23 +97,26 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
 
 def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                  say: Say, pure_python: bool = False) -> dict[str, Any]:
+                  say: Say, pure_python: bool = False, rounds: int = 2) -> dict[str, Any]:
     """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
-    indexer; idle, then busy. ``pure_python``: the pod's processes run without the C extensions
-    (``LLMC_PURE_PYTHON=1``, the baseline)."""
+    indexer; idle and busy in turn, ``rounds`` busy phases of ``decisions / rounds`` decisions each.
+    ``pure_python``: the pod's processes run without the C extensions (``LLMC_PURE_PYTHON=1``, the
+    baseline)."""
     if pure_python:
         os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
     try:
         return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
                               interval_s=interval_s, batches_per_s=batches_per_s,
-                              blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say)
+                              blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say,
+                              rounds=rounds)
     finally:
         os.environ.pop("LLMC_PURE_PYTHON", None)
 
 
 def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                    batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                   say: Say) -> dict[str, Any]:
+                   say: Say, rounds: int) -> dict[str, Any]:
+    decisions = max(10, decisions // rounds)   # per phase
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
     address = f"unix:{Path(folder) / 'indexer.sock'}"
@@ -149,47 +153,74 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
                 link.send(label)
             results = [link.recv() for link in links]
             elapsed = time.perf_counter() - t0
-            applied = status(address).blocks_stored - first
-            took = [t for r in results for t in r["took"]]
-            late = [t for r in results for t in r["late"]]
-            say(f"  {label} ({workers} worker{'s' * (workers > 1)}, indexer process): decision p50 "
-                f"{stats_ms(took)['p50_ms']:.3f} ms, lateness p99 {stats_ms(late)['p99_ms']:.2f} ms, "
-                f"{applied / elapsed:,.0f} blocks/s applied")
             used = [after - before for after, before in zip(cpu(), cpu0, strict=True)]
-            return {"decision": stats_ms(took), "lateness": stats_ms(late),
-                    "cpu_share": round(sum(used) / elapsed, 3),
-                    "indexer_cpu_share": round(used[0] / elapsed, 3),
-                    "blocks_applied_per_s": round(applied / elapsed),
+            return {"took": [t for r in results for t in r["took"]],
+                    "late": [t for r in results for t in r["late"]], "elapsed": elapsed,
+                    "cpu_share": sum(used) / elapsed, "indexer_cpu_share": used[0] / elapsed,
+                    "applied": status(address).blocks_stored - first,
                     "unanswered": sum(r["unanswered"] for r in results)}
+
+        def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+            elapsed = float(sum(r["elapsed"] for r in runs))
+
+            def share(key: str) -> float:
+                return round(float(sum(r[key] * r["elapsed"] for r in runs)) / elapsed, 3)
+
+            return {"decision": stats_ms([t for r in runs for t in r["took"]]),
+                    "lateness": stats_ms([t for r in runs for t in r["late"]]),
+                    "cpu_share": share("cpu_share"), "indexer_cpu_share": share("indexer_cpu_share"),
+                    "blocks_applied_per_s": round(sum(r["applied"] for r in runs) / elapsed),
+                    "unanswered": sum(r["unanswered"] for r in runs)}
+
+        def publishers(cmd: str) -> int:
+            pub_parent.send(cmd)
+            sent: int = pub_parent.recv()
+            time.sleep(1.0)   # "go": reach a steady state; "pause": let the indexer drain what is queued
+            return sent
 
         say(f"kv intake, pod indexer{' (pure Python)' * (os.environ.get('LLMC_PURE_PYTHON') == '1')}: "
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
-            f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms, publishers idle then busy")
-        idle = phase("idle")
-        pub_parent.send("go")
-        sent0 = pub_parent.recv()
-        time.sleep(1.0)   # reach a steady state
-        busy = phase("busy")
-        pub_parent.send("pause")
-        sent1 = pub_parent.recv()
-        time.sleep(0.5)
+            f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
+            f"busy in turn ({rounds} busy phases, each between two idle ones)")
+        # Idle and busy phases in turn, each busy phase set against the mean of the idle phases on either
+        # side: the processes' own CPU drifts from one phase to the next (at 4 workers, by as much as
+        # the whole intake), and a drift that is steady over the run cancels out this way.
+        idles, busies, published = [phase("idle")], [], 0
+        for _ in range(rounds):
+            sent0 = publishers("go")
+            busies.append(phase("busy"))
+            published += publishers("pause") - sent0
+            idles.append(phase("idle"))
+        intake = [b["cpu_share"] - (i0["cpu_share"] + i1["cpu_share"]) / 2
+                  for b, i0, i1 in zip(busies, idles, idles[1:], strict=False)]
+        own = [b["indexer_cpu_share"] - (i0["indexer_cpu_share"] + i1["indexer_cpu_share"]) / 2
+               for b, i0, i1 in zip(busies, idles, idles[1:], strict=False)]
+        idle, busy = pooled(idles), pooled(busies)
+        for label, r in (("idle", idle), ("busy", busy)):
+            say(f"  {label} ({workers} worker{'s' * (workers > 1)}, indexer process): decision p50 "
+                f"{r['decision']['p50_ms']:.3f} ms, lateness p99 {r['lateness']['p99_ms']:.2f} ms, "
+                f"{r['blocks_applied_per_s']:,} blocks/s applied, {r['cpu_share']:.2f} cores")
+        rate = max(1, busy["blocks_applied_per_s"])
         final = status(address)
         offered = engines * batches_per_s * blocks_per_batch
         return {"engines": engines, "workers": workers, "prompt_tokens": tokens, "decisions": decisions,
                 "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),
-                "published_blocks": sent1 - sent0, "idle": idle, "busy": busy, "gaps": final.gaps,
+                "published_blocks": published, "idle": idle, "busy": busy, "gaps": final.gaps,
                 "applied_blocks": final.blocks_stored,
+                "phases": [{"label": label, "cpu_share": round(r["cpu_share"], 3),
+                            "indexer_cpu_share": round(r["indexer_cpu_share"], 3),
+                            "blocks_applied_per_s": round(r["applied"] / r["elapsed"])}
+                           for label, r in [("idle", idles[0]),
+                                            *(x for b, i in zip(busies, idles[1:], strict=True)
+                                              for x in (("busy", b), ("idle", i)))]],
                 "busy_vs_idle_decision_p50": round(busy["decision"]["p50_ms"]
                                                    / idle["decision"]["p50_ms"], 2),
                 "busy_lateness_p99_ms": busy["lateness"]["p99_ms"],
                 "busy_lateness_p50_ms": busy["lateness"]["p50_ms"],
-                "intake_cpu_us_per_block": round((busy["cpu_share"] - idle["cpu_share"]) * 1e6
-                                                 / max(1, busy["blocks_applied_per_s"]), 2),
-                "intake_cpu_share": round(busy["cpu_share"] - idle["cpu_share"], 3),
+                "intake_cpu_us_per_block": round(statistics.fmean(intake) * 1e6 / rate, 2),
+                "intake_cpu_share": round(statistics.fmean(intake), 3),
                 # the same, the indexer process alone (the rest: the workers' decisions slowed by it)
-                "indexer_cpu_us_per_block": round(
-                    (busy["indexer_cpu_share"] - idle["indexer_cpu_share"]) * 1e6
-                    / max(1, busy["blocks_applied_per_s"]), 2)}
+                "indexer_cpu_us_per_block": round(statistics.fmean(own) * 1e6 / rate, 2)}
     finally:
         for link in links:
             link.send("stop")

@@ -467,7 +467,9 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     published batches: root and continued runs at 1 and 2 of our blocks per engine block, unknown
     parents, re-reported blocks, partial tails, more or fewer hashes than full blocks, empty runs, removals of
     known and unknown blocks, clears, two KV cache groups, vLLM's optional fields, an index trimmed by
-    its capacity; and batches the C reader must decline untouched (LoRA, an offload medium, extra keys,
+    its capacity, offload tiers (their own indexes and translations, parents found across media, a
+    medium named in lower case, one no tier keeps); and batches the C reader must decline untouched
+    (LoRA, a medium that is not ASCII, extra keys,
     bytes or negative hashes, a block size that is not a multiple of ours, an unknown field or event,
     truncated or trailing bytes, garbage). After every batch both hold the same index (LRU order and
     times, owners, leaves), the same translation and the same counters."""
@@ -482,9 +484,16 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     def tick() -> float:
         return now[0]
 
-    direct_ix, ref_ix = PrefixIndex(capacity_blocks=60, clock=tick), PrefixIndex(capacity_blocks=60, clock=tick)
-    direct, ref = KvEventMirror(direct_ix, ENGINE, MODEL, BS), KvEventMirror(ref_ix, ENGINE, MODEL, BS)
-    ref._direct = False
+    def mirror_with_tiers() -> tuple[KvEventMirror, list[PrefixIndex]]:
+        indexes = [PrefixIndex(capacity_blocks=60, clock=tick), PrefixIndex(clock=tick),
+                   PrefixIndex(capacity_blocks=30, clock=tick)]
+        return KvEventMirror(indexes[0], ENGINE, MODEL, BS,
+                             tiers={"CPU": indexes[1], "STORAGE": indexes[2]}), indexes
+
+    (direct, direct_ixs), (ref, ref_ixs) = mirror_with_tiers(), mirror_with_tiers()
+    direct_ix = direct_ixs[0]
+    assert direct._direct is not None
+    ref._direct = None
     rng = random.Random(17)
     known: list[int] = []
     tokens_pool = [rng.randrange(50_000) for _ in range(4096)]
@@ -501,7 +510,8 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
             rng.choice(known) if known and rng.random() < 0.85 else rng.randrange(2**64))
         event: dict[str, Any] = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
                                  "token_ids": tokens, "block_size": bs, "lora_id": None,
-                                 "medium": rng.choice(["GPU", "GPU", None]), "lora_name": None}
+                                 "medium": rng.choice(["GPU", "GPU", "GPU", None, "CPU", "cpu", "STORAGE",
+                                                       "disk"]), "lora_name": None}
         for key, value in (("group_idx", rng.choice([0, 1, None])), ("kv_cache_spec_kind", "full_attention"),
                            ("kv_cache_spec_sliding_window", None), ("locality", "local"),
                            ("session_id", None)):
@@ -511,13 +521,14 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
 
     def gone() -> dict[str, Any]:
         hashes = [*rng.sample(known, min(len(known), rng.randrange(5))), rng.randrange(2**64)]
-        event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+        event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes,
+                                 "medium": rng.choice(["GPU", "GPU", "GPU", None, "CPU", "STORAGE", "disk"])}
         if rng.random() < 0.5:
             event["group_idx"] = rng.choice([0, 1])
         return event
 
     declined = [
-        lambda e: e.update(lora_name="adapter", lora_id=3), lambda e: e.update(medium="CPU"),
+        lambda e: e.update(lora_name="adapter", lora_id=3), lambda e: e.update(medium="CPÜ"),
         lambda e: e.update(extra_keys=[["img", 0]] * len(e["block_hashes"])),
         lambda e: e.update(block_hashes=[h.to_bytes(8, "big") for h in e["block_hashes"]]),
         lambda e: e.update(parent_block_hash=-5), lambda e: e.update(block_size=24),
@@ -538,12 +549,13 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
             body = rng.choice([body[:-3], body + b"\x00", b"\xc1garbage"])
         direct.apply_payload(body)
         ref.apply_payload(body)
-        assert direct_ix.state() == ref_ix.state(), step
-        assert direct._primary.trans.state() == ref._primary.trans.state(), step
+        assert [ix.state() for ix in direct_ixs] == [ix.state() for ix in ref_ixs], step
+        assert ([at.trans.state() for at in direct._all]   # type: ignore[union-attr]
+                == [at.trans.state() for at in ref._all]), step
         assert replace(direct.stats, direct_batches=0) == ref.stats, step
         peak = max(peak, direct_ix.blocks(ENGINE))
     s = direct.stats
     assert ref.stats.direct_batches == 0 and 1500 * 0.7 < s.direct_batches < 1500 * 0.9, s
     assert s.blocks_stored and s.blocks_removed and s.clears and s.unknown_parent and s.bad_payloads, s
-    assert s.unsupported_block_size and s.other_medium, s
+    assert s.unsupported_block_size and s.other_medium and s.tier_blocks_stored and s.no_tokens, s
     assert peak == 60   # the capacity trimmed it

@@ -58,6 +58,8 @@ typedef struct {
     Py_ssize_t wev_cap, wkeys_cap, wtok_cap, wours_cap;
 } Translation;
 
+static PyTypeObject TranslationType;
+
 static inline uint64_t
 entry_home(uint64_t key, int32_t group, uint64_t mask)
 {
@@ -316,6 +318,14 @@ as_group(PyObject *obj, int32_t *out)
     return 0;
 }
 
+/* A run's entry slots asked for before any is used, so that their misses overlap (``_index.c``'s
+ * ``prefetch_nodes``). */
+static void
+prefetch_entries(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&t->entries[entry_home(keys[i], group, t->entries_mask)]);
+}
+
 /* The entry of a block the engine reported, or NULL. */
 static const Entry *
 find_entry(Translation *t, int32_t group, uint64_t key)
@@ -348,6 +358,8 @@ store_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, c
 {
     Py_ssize_t m = n * (Py_ssize_t)per;
     if (grow_entries(t, (uint64_t)n) < 0 || grow_counts(t, (uint64_t)m) < 0) return -1;
+    prefetch_entries(t, group, keys, n);
+    for (Py_ssize_t i = 0; i < m; i++) __builtin_prefetch(&t->counts[mix((uint64_t)ours[i]) & t->counts_mask]);
     int64_t **arrays = NULL;   /* allocated before any change, so a failure changes nothing */
     if (per > 1) {
         arrays = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int64_t *));
@@ -455,6 +467,11 @@ remove_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, 
 {
     Py_ssize_t found = 0;
     *freed = 0;
+    prefetch_entries(t, group, keys, n);
+    for (Py_ssize_t i = 0; i < n; i++) {   /* the counts of the entries' hashes, as far as they are at home */
+        const Entry *e = &t->entries[entry_home(keys[i], group, t->entries_mask)];
+        if (e->per == 1) __builtin_prefetch(&t->counts[mix((uint64_t)e->one) & t->counts_mask]);
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t slot = entry_slot(t, group, keys[i]);
         Entry *e = &t->entries[slot];
@@ -503,16 +520,19 @@ Translation_remove(Translation *t, PyObject *const *args, Py_ssize_t nargs)
 
 /* Why parse msgpack here rather than with msgspec: the intake's cost per block was the Python between
  * the calls (a decoded event object, lists of ints, three method calls per event), not the tables.
- * Only the shape vLLM publishes for a model without LoRA, media or offload tiers is read here:
- * anything else (another medium, extra keys, bytes hashes, an unknown field or event, a malformed
- * batch) makes ``apply_batch`` return None before it changes anything, and the caller decodes the
- * batch with msgspec and applies it in Python (kv_events.py), which stays the reference. */
+ * Only the shape vLLM publishes for a model without LoRA or media is read here (every medium: the
+ * engine's own cache and its offload tiers): anything else (extra keys, bytes hashes, an unknown field
+ * or event, a malformed batch) makes ``apply_batch`` return None before it changes anything, and the
+ * caller decodes the batch with msgspec and applies it in Python (kv_events.py), which stays the
+ * reference. */
 
 enum { EV_STORED = 1, EV_REMOVED = 2, EV_CLEARED = 3 };
 
 typedef struct WireEvent {
     int kind;
     int32_t group;
+    const char *medium;            /* NULL: nil */
+    uint32_t medium_len;
     int has_parent;
     uint64_t parent;
     long long block_size;
@@ -703,7 +723,11 @@ read_event(Translation *t, Reader *r, WireEvent *ev, Py_ssize_t *keys_used, Py_s
             if (!read_nil(r)) return -1;   /* LoRA and media: Python's path */
             seen |= k[0] == 'e' ? F_EXTRA : kn == 7 ? F_LORA_ID : F_LORA_NAME;
         } else if (key_is(k, kn, "medium")) {
-            if (!read_nil(r) && (read_str(r, &v, &vn) < 0 || !key_is(v, vn, "GPU"))) return -1;
+            if (!read_nil(r)) {
+                if (read_str(r, &ev->medium, &ev->medium_len) < 0) return -1;
+                for (uint32_t i = 0; i < ev->medium_len; i++)   /* tiers match upper-cased: ASCII here */
+                    if ((unsigned char)ev->medium[i] >= 0x80) return -1;
+            }
             seen |= F_MEDIUM;
         } else if (key_is(k, kn, "group_idx")) {
             long long g = 0;
@@ -769,25 +793,99 @@ read_batch(Translation *t, const uint8_t *data, Py_ssize_t size, Py_ssize_t our_
 static const IndexAPI *index_api;
 static const ChainAPI *chain_api;
 
-/* apply_batch(payload, index, engine, block_size, root_seed, now, capacity): the published batch
- * ``payload`` applied to this (the primary medium's) translation and ``index`` (an ``_index.Index``)
- * under ``engine``, as ``KvEventMirror.apply_payload`` would with no offload tiers, re-hashed at
- * ``block_size`` from ``root_seed`` for a root run, each add trimmed to ``capacity`` (negative: no
- * bound). Returns ``(blocks stored, blocks removed, clears, runs of unknown parent, runs without
- * tokens, the last stored run's block size or -1)``, or None -- nothing changed -- when the batch is
- * not the common shape or the other extensions are missing. */
-static PyObject *
-Translation_apply_batch(Translation *t, PyObject *const *args, Py_ssize_t nargs)
+#define MAX_MEDIA 8
+
+/* One medium of the mirror: its name (NULL: the engine's own cache, whose events say "GPU" or
+ * nothing), its translation, its index and that index's capacity. */
+typedef struct {
+    const char *name;
+    Py_ssize_t name_len;
+    Translation *trans;
+    PyObject *index;
+    long long capacity;
+} Medium;
+
+/* Where an event of ``medium`` goes: its ``Medium``, or -1 (neither the primary nor a kept tier).
+ * Tiers are named as ``tier_name`` does: upper case. */
+static int
+medium_of(const WireEvent *ev, const Medium *media, int n_media)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "apply_batch(payload, index, engine, block_size, root_seed, now, capacity)");
+    if (ev->medium == NULL || (ev->medium_len == 3 && memcmp(ev->medium, "GPU", 3) == 0)) return 0;
+    for (int m = 1; m < n_media; m++) {
+        if (media[m].name_len != (Py_ssize_t)ev->medium_len) continue;
+        uint32_t i = 0;
+        while (i < ev->medium_len && Py_TOUPPER((unsigned char)ev->medium[i]) == (unsigned char)media[m].name[i])
+            i++;
+        if (i == ev->medium_len) return m;
+    }
+    return -1;
+}
+
+static int
+load_media(PyObject *arg, Medium *media, int *n_media)
+{
+    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) < 1 || PyTuple_GET_SIZE(arg) > MAX_MEDIA) {
+        PyErr_SetString(PyExc_TypeError, "media: a tuple of 1 to 8 (name, Translation, Index, capacity)");
+        return -1;
+    }
+    *n_media = (int)PyTuple_GET_SIZE(arg);
+    for (int m = 0; m < *n_media; m++) {
+        PyObject *one = PyTuple_GET_ITEM(arg, m);
+        if (!PyTuple_Check(one) || PyTuple_GET_SIZE(one) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a medium is (name, Translation, Index, capacity)");
+            return -1;
+        }
+        PyObject *name = PyTuple_GET_ITEM(one, 0), *trans = PyTuple_GET_ITEM(one, 1);
+        Medium *md = &media[m];
+        md->index = PyTuple_GET_ITEM(one, 2);
+        md->name = NULL;
+        md->name_len = 0;
+        if ((m == 0) != (name == Py_None) || !PyObject_TypeCheck(trans, &TranslationType)
+            || !index_api->check(md->index)) {
+            PyErr_SetString(PyExc_TypeError, "media: the primary first (name None), then named tiers");
+            return -1;
+        }
+        if (m > 0 && (md->name = PyUnicode_AsUTF8AndSize(name, &md->name_len)) == NULL) return -1;
+        md->trans = (Translation *)trans;
+        md->capacity = PyLong_AsLongLong(PyTuple_GET_ITEM(one, 3));
+        if (md->capacity == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* The parent's last hash of ours and depth: from the run's own medium, else from any other (an engine
+ * hash names the same tokens in every medium). */
+static const Entry *
+find_parent(const Medium *media, int n_media, int own, int32_t group, uint64_t parent)
+{
+    const Entry *p = find_entry(media[own].trans, group, parent);
+    for (int m = 0; p == NULL && m < n_media; m++)
+        if (m != own) p = find_entry(media[m].trans, group, parent);
+    return p;
+}
+
+/* apply_batch(payload, media, engine, block_size, root_seed, now): the published batch ``payload``
+ * applied to the mirror's ``media`` under ``engine``, as ``KvEventMirror.apply_payload`` would: each
+ * event to its medium's translation and index (see ``load_media``), re-hashed at ``block_size`` from
+ * ``root_seed`` for a root run, each add trimmed to its index's capacity (negative: no bound), at
+ * ``now``. Returns ``(blocks stored in the engine's cache, blocks stored in tiers, blocks removed from
+ * the engine's cache, clears, runs of unknown parent, runs without tokens, events of other media,
+ * the last block size the engine's cache stored or -1)``, or None -- nothing changed -- when the
+ * batch is not the common shape or the other extensions are missing. */
+static PyObject *
+apply_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "apply_batch(payload, media, engine, block_size, root_seed, now)");
         return NULL;
     }
     if (index_api == NULL || chain_api == NULL) Py_RETURN_NONE;
-    PyObject *index = args[1], *engine = args[2];
-    if (!index_api->check(index) || !PyUnicode_Check(engine)) {
-        PyErr_SetString(PyExc_TypeError, "apply_batch needs an _index.Index and an engine name (str)");
+    Medium media[MAX_MEDIA];
+    int n_media;
+    PyObject *engine = args[2];
+    if (load_media(args[1], media, &n_media) < 0) return NULL;
+    if (!PyUnicode_Check(engine)) {
+        PyErr_SetString(PyExc_TypeError, "an engine is named by a str");
         return NULL;
     }
     Py_ssize_t bs = PyLong_AsSsize_t(args[3]);
@@ -796,12 +894,11 @@ Translation_apply_batch(Translation *t, PyObject *const *args, Py_ssize_t nargs)
     if (root == -1 && PyErr_Occurred()) return NULL;
     double now = PyFloat_AsDouble(args[5]);
     if (now == -1.0 && PyErr_Occurred()) return NULL;
-    long long capacity = PyLong_AsLongLong(args[6]);
-    if (capacity == -1 && PyErr_Occurred()) return NULL;
     if (bs <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
+    Translation *t = media[0].trans;   /* its scratch holds the batch */
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
     Py_ssize_t n = read_batch(t, (const uint8_t *)view.buf, view.len, bs);
@@ -811,33 +908,42 @@ Translation_apply_batch(Translation *t, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     if (n < 0) goto done;
-    Py_ssize_t stored = 0, removed = 0, clears = 0, unknown = 0, no_tokens = 0;
+    Py_ssize_t stored = 0, tier_stored = 0, removed = 0, clears = 0, unknown = 0, no_tokens = 0, other = 0;
     long long engine_block_size = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const WireEvent *ev = &t->wev[i];
-        if (ev->kind == EV_CLEARED) {
+        if (ev->kind == EV_CLEARED) {   /* it carries no medium, and a reset clears the tiers too */
             clears++;
-            if (Translation_reset(t) < 0 || index_api->clear(index, engine) < 0) goto done;
+            for (int m = 0; m < n_media; m++)
+                if (Translation_reset(media[m].trans) < 0 || index_api->clear(media[m].index, engine) < 0)
+                    goto done;
             continue;
         }
+        int at = medium_of(ev, media, n_media);
+        if (at < 0) {
+            other++;
+            continue;
+        }
+        Translation *tr = media[at].trans;
+        PyObject *index = media[at].index;
         const uint64_t *keys = t->wkeys + ev->keys;
         if (ev->kind == EV_REMOVED) {
             Py_ssize_t freed;
-            Py_ssize_t found = remove_words(t, ev->group, keys, ev->n_keys, &freed);
+            Py_ssize_t found = remove_words(tr, ev->group, keys, ev->n_keys, &freed);
             if (found < 0) goto done;
-            removed += found;
-            if (freed && index_api->remove(index, engine, t->freed, freed) < 0) goto done;
+            if (at == 0) removed += found;
+            if (freed && index_api->remove(index, engine, tr->freed, freed) < 0) goto done;
             continue;
         }
         if (ev->n_tokens == 0) {   /* an offload tier's placeholder: nothing to hash */
             no_tokens++;
             continue;
         }
-        engine_block_size = ev->block_size;
+        if (at == 0) engine_block_size = ev->block_size;
         int64_t seed = root;
         long long start = 0;
         if (ev->has_parent) {
-            const Entry *p = find_entry(t, ev->group, ev->parent);
+            const Entry *p = find_parent(media, n_media, at, ev->group, ev->parent);
             if (p == NULL) {   /* missed event, or a partial tail's parent inside an engine block */
                 unknown++;
                 continue;
@@ -855,11 +961,14 @@ Translation_apply_batch(Translation *t, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_OverflowError, "depth out of range");
             goto done;
         }
-        if (store_words(t, ev->group, keys, blocks, t->wours, per, start) < 0) goto done;
-        stored += blocks;
-        if (index_api->add(index, engine, t->wours, m, ev->has_parent, seed, now, capacity) < 0) goto done;
+        if (store_words(tr, ev->group, keys, blocks, t->wours, per, start) < 0) goto done;
+        if (at == 0) stored += blocks;
+        else tier_stored += blocks;
+        if (index_api->add(index, engine, t->wours, m, ev->has_parent, seed, now, media[at].capacity) < 0)
+            goto done;
     }
-    result = Py_BuildValue("(nnnnnL)", stored, removed, clears, unknown, no_tokens, engine_block_size);
+    result = Py_BuildValue("(nnnnnnnL)", stored, tier_stored, removed, clears, unknown, no_tokens, other,
+                           engine_block_size);
 done:
     PyBuffer_Release(&view);
     return result;
@@ -928,8 +1037,6 @@ static PyMethodDef Translation_methods[] = {
     {"remove", (PyCFunction)(void (*)(void))Translation_remove, METH_FASTCALL,
      "remove(group, engine_hashes) -> (engine blocks found, our hashes now unmapped)"},
     {"clear", (PyCFunction)Translation_clear, METH_NOARGS, "clear(): forget every engine block"},
-    {"apply_batch", (PyCFunction)(void (*)(void))Translation_apply_batch, METH_FASTCALL,
-     "apply_batch(payload, index, engine, block_size, root_seed, now, capacity) -> counts, or None"},
     {"state", (PyCFunction)Translation_state, METH_NOARGS,
      "state() -> (entries by (group, engine key), counts by our hash)"},
     {NULL, NULL, 0, NULL},
@@ -951,8 +1058,15 @@ static PyTypeObject TranslationType = {
     .tp_new = Translation_new,
 };
 
+static PyMethodDef module_methods[] = {
+    {"apply_batch", (PyCFunction)(void (*)(void))apply_batch, METH_FASTCALL,
+     "apply_batch(payload, media, engine, block_size, root_seed, now) -> counts, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_mirror", "KvEventMirror's translation table in C (kv_events.py).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_mirror", "KvEventMirror's translation table in C (kv_events.py).", -1,
+    module_methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -126,13 +126,17 @@ class PrefixIndex:
     def native(self) -> bool:
         return self._core is not None
 
-    def direct_writes(self) -> tuple[_native.Index, int, float] | None:
-        """The C storage, the capacity (-1: none) and the time now, when adding to this index is the
-        storage's ``add`` then ``trim`` by capacity alone (native, no TTL): the KV-event mirror then
-        writes a whole published batch to it in one C call (``_mirror.Translation.apply_batch``)."""
+    def direct_writes(self) -> tuple[_native.Index, int] | None:
+        """The C storage and the capacity (-1: none), when adding to this index is the storage's ``add``
+        then ``trim`` by capacity alone (native, no TTL): the KV-event mirror then writes a whole
+        published batch to it in one C call (``_mirror.apply_batch``)."""
         if self._core is None or self._ttl is not None:
             return None
-        return self._core, -1 if self.capacity_blocks is None else self.capacity_blocks, self._clock()
+        return self._core, -1 if self.capacity_blocks is None else self.capacity_blocks
+
+    def now(self) -> float:
+        """The index's clock: the last use it records for what is added now."""
+        return self._clock()
 
     def blocks(self, engine: str) -> int:
         if self._core is not None:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -273,10 +273,21 @@ class KvEventMirror:
         self._primary = _Medium(index)
         self._tiers = {name: _Medium(ix) for name, ix in (tiers or {}).items()}
         self._all = [self._primary, *self._tiers.values()]
-        # One C call per batch (``Translation.apply_batch``) when the batch can only touch the primary
-        # medium: no offload tiers to route to or take parents from, the primary media vLLM labels.
-        self._direct = NATIVE_MIRROR and not self._tiers and self.media == PRIMARY_MEDIA
         self._root = chain_seed(model)
+        self._direct = self._direct_media()
+
+    def _direct_media(self) -> tuple[_native.Medium, ...] | None:
+        """What ``_mirror.apply_batch`` writes a batch to, when every medium's index takes direct writes
+        (native, no TTL) and the primary media are vLLM's labels; else None: batches take Python."""
+        if not NATIVE_MIRROR or self.media != PRIMARY_MEDIA:
+            return None
+        media: list[_native.Medium] = []
+        for name, at in [(None, self._primary), *self._tiers.items()]:
+            writes = at.index.direct_writes()
+            if writes is None:
+                return None
+            media.append((name, at.trans, *writes))
+        return tuple(media)
 
     @property
     def engine_blocks(self) -> int:
@@ -285,23 +296,25 @@ class KvEventMirror:
     def apply_payload(self, payload: bytes) -> bool:
         """Decode one published payload and apply it; ``False`` (logged, counted) if it is garbage.
 
-        The common batch (no LoRA, media or offload tier; vLLM's int hashes) is read and applied by
-        ``_mirror.c`` in one call when the index is native; any other batch, or one that call declines
-        (it changes nothing then), is decoded here and applied event by event, the reference."""
-        if self._direct and (writes := self.index.direct_writes()) is not None:
-            core, capacity, now = writes
-            done = cast(Any, self._primary.trans).apply_batch(payload, core, self.engine, self.block_size,
-                                                             self._root, now, capacity)
+        The common batch (no LoRA or media; vLLM's int hashes; any medium) is read and applied by
+        ``_mirror.c`` in one call when the indexes are native; any other batch, or one that call
+        declines (it changes nothing then), is decoded here and applied event by event: the
+        reference."""
+        if self._direct is not None:
+            done = _native.apply_batch(payload, self._direct, self.engine, self.block_size, self._root,
+                                       self.index.now())
             if done is not None:
                 stats = self.stats
-                stored, removed, clears, unknown, no_tokens, engine_block_size = done
+                stored, tier_stored, removed, clears, unknown, no_tokens, other, engine_block_size = done
                 stats.batches += 1
                 stats.direct_batches += 1
                 stats.blocks_stored += stored
+                stats.tier_blocks_stored += tier_stored
                 stats.blocks_removed += removed
                 stats.clears += clears
                 stats.unknown_parent += unknown
                 stats.no_tokens += no_tokens
+                stats.other_medium += other
                 if engine_block_size >= 0:
                     stats.engine_block_size = engine_block_size
                 return True
