@@ -182,10 +182,17 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
             f"busy in turn ({rounds} busy phases, each between two idle ones)")
+        # Every engine's cache full first, so that each measured batch evicts as much as it stores.
+        pub_parent.send("fill")
+        published = pub_parent.recv()
+        until = time.monotonic() + 300
+        while status(address).blocks_stored < published and time.monotonic() < until:
+            time.sleep(0.2)
+        say(f"  filled: {published:,} blocks applied")
         # Idle and busy phases in turn, each busy phase set against the mean of the idle phases on either
         # side: the processes' own CPU drifts from one phase to the next (at 4 workers, by as much as
         # the whole intake), and a drift that is steady over the run cancels out this way.
-        idles, busies, published = [phase("idle")], [], 0
+        idles, busies = [phase("idle")], []
         for _ in range(rounds):
             sent0 = publishers("go")
             busies.append(phase("busy"))

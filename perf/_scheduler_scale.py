@@ -147,7 +147,10 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
              conn: Connection) -> None:
     """Child process: one PUB socket per engine, vLLM's ``[topic, seq, KVEventBatch]`` messages; each
     engine keeps prefilling a conversation (BlockStored runs continuing its chain) and evicts its
-    oldest blocks past ``keep_blocks`` (BlockRemoved), at ``batches_per_s`` batches per engine."""
+    oldest blocks past ``keep_blocks`` (BlockRemoved), at ``batches_per_s`` batches per engine.
+    Commands: ``go``, ``pause``, ``stop``, and ``fill``: as fast as it can, every engine's blocks up to
+    ``keep_blocks`` (no eviction yet), so that the measured phases are the steady state, where each
+    batch's stored blocks are matched by as many removals."""
     import zmq
 
     from coordinator.contracts.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -169,18 +172,9 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
     next_hash = [1 + i * 10**12 for i in range(n_engines)]
     publishing, sent_blocks = False, 0
     period = 1.0 / batches_per_s
-    tick = time.perf_counter()
-    while True:
-        if conn.poll(0 if publishing else 0.05):
-            cmd = conn.recv()
-            if cmd == "stop":
-                conn.send(sent_blocks)
-                break
-            publishing = cmd == "go"
-            conn.send(sent_blocks)
-            tick = time.perf_counter()
-        if not publishing:
-            continue
+
+    def publish_round(evict: bool) -> None:
+        nonlocal sent_blocks
         tokens = rng.integers(100, 49_000, size=(n_engines, blocks_per_batch * BLOCK)).tolist()
         for i, s in enumerate(socks):
             hashes: list[bytes | int] = list(range(next_hash[i], next_hash[i] + blocks_per_batch))
@@ -190,7 +184,7 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
                 lora_id=None, medium="GPU", lora_name=None)]
             parents[i] = hashes[-1]
             held[i] += hashes
-            if len(held[i]) > keep_blocks:
+            if evict and len(held[i]) > keep_blocks:
                 gone, held[i] = held[i][:blocks_per_batch], held[i][blocks_per_batch:]
                 events.append(BlockRemoved(block_hashes=gone, medium="GPU"))
             if rng.random() < 0.02:   # a new conversation now and then: a root run
@@ -199,6 +193,23 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
             s.send_multipart([b"", seqs[i].to_bytes(8, "big"), payload])
             seqs[i] += 1
             sent_blocks += blocks_per_batch
+
+    tick = time.perf_counter()
+    while True:
+        if conn.poll(0 if publishing else 0.05):
+            cmd = conn.recv()
+            if cmd == "stop":
+                conn.send(sent_blocks)
+                break
+            if cmd == "fill":   # every engine's cache full, at once: from here on each batch evicts
+                while len(held[0]) + blocks_per_batch <= keep_blocks:
+                    publish_round(evict=False)
+            publishing = cmd == "go"
+            conn.send(sent_blocks)
+            tick = time.perf_counter()
+        if not publishing:
+            continue
+        publish_round(evict=True)
         tick += period
         delay = tick - time.perf_counter()
         if delay > 0:
@@ -283,7 +294,14 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
                 "blocks_applied_per_s": round(applied / elapsed)}
 
     say(f"kv intake: {engines} engines over ZMQ, {decisions} decisions at {tokens} tokens every "
-        f"{interval_s * 1000:.0f} ms, publishers idle then busy")
+        f"{interval_s * 1000:.0f} ms, publishers idle then busy (each engine's cache full first)")
+    control.send("fill")
+    filled = control.recv()
+    for _ in range(1500):   # at most 5 minutes: a lost batch shows as a gap below, not a hang
+        if stored() >= filled:
+            break
+        await asyncio.sleep(0.2)
+    say(f"  filled: {filled:,} blocks applied")
     idle = await phase("idle")
     control.send("go")
     sent0 = control.recv()

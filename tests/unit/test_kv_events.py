@@ -559,3 +559,107 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     assert s.blocks_stored and s.blocks_removed and s.clears and s.unknown_parent and s.bad_payloads, s
     assert s.unsupported_block_size and s.other_medium and s.tier_blocks_stored and s.no_tokens, s
     assert peak == 60   # the capacity trimmed it
+
+
+async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:
+    """Two subscribers on one publisher, one receiving in C (``_mirror.drain``: libzmq's frames read
+    and applied in place, Python handed whatever is not the next common batch) and one receiving in
+    Python: after a stream of ordinary batches (offload tiers included), a batch only Python decodes,
+    messages of four and of two frames, garbage, a sequence gap and a publisher restart, both hold the
+    same indexes and translations and count the same gaps, restarts and bad messages."""
+    from dataclasses import replace
+
+    from coordinator.pipeline.scheduling.prefix import feeds
+
+    assert feeds.NATIVE_DRAIN, "the native drain is off (no _mirror extension, or libzmq not found)"
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+
+    def subscriber(native: bool) -> tuple[KvEventSubscriber, list[PrefixIndex]]:
+        indexes = [PrefixIndex(capacity_blocks=80), PrefixIndex(), PrefixIndex()]
+        mirror = KvEventMirror(indexes[0], ENGINE, MODEL, BS, tiers={"CPU": indexes[1], "STORAGE": indexes[2]})
+        sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx)
+        sub.native_drain = native
+        return sub, indexes
+
+    (c_sub, c_ix), (py_sub, py_ix) = subscriber(True), subscriber(False)
+    assert c_sub.native_drain and not py_sub.native_drain
+    rng = random.Random(23)
+    known: list[int] = []
+    seq = 0
+
+    async def send(*frames: bytes) -> None:
+        await pub.send_multipart(list(frames))
+
+    def batch() -> bytes:
+        events: list[Any] = []
+        for _ in range(rng.randrange(1, 4)):
+            medium = rng.choice(["GPU", "GPU", "CPU", "STORAGE"])
+            if rng.random() < 0.6 or not known:
+                at = rng.randrange(0, 200)
+                hashes = [rng.randrange(2**64) for _ in range(rng.randrange(1, 5))]
+                parent = rng.choice(known) if known and rng.random() < 0.7 else None
+                known.extend(hashes)
+                events.append(kv.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                             token_ids=PROMPT[at:at + len(hashes) * BS], block_size=BS,
+                                             lora_id=None, medium=medium, lora_name=None))
+            else:
+                events.append(kv.BlockRemoved(block_hashes=rng.sample(known, min(3, len(known))), medium=medium))
+        return payload(*events)
+
+    async def ordinary(n: int) -> None:
+        nonlocal seq
+        for _ in range(n):
+            await send(b"kv", seq.to_bytes(8, "big"), batch())
+            seq += 1
+
+    try:
+        c_sub.start()
+        py_sub.start()
+
+        async def hello() -> None:   # fresh SUB sockets miss what was sent before they joined
+            nonlocal seq
+            await send(b"kv", seq.to_bytes(8, "big"), payload())
+            seq += 1
+
+        assert await wait_for(lambda: c_sub.last_seq is not None and py_sub.last_seq is not None, hello)
+        await hello()
+        await ordinary(80)
+        await send(b"kv", seq.to_bytes(8, "big"), payload(stored(PROMPT[:64], [1, 2, 3, 4], lora_name="a")))
+        seq += 1
+        await ordinary(10)
+        await send(b"kv", seq.to_bytes(8, "big"), payload(removed([1])), b"extra")   # four frames
+        await ordinary(5)
+        await send(b"kv", seq.to_bytes(8, "big"))                                 # two frames
+        await ordinary(10)
+        await send(b"kv", seq.to_bytes(8, "big"), b"\xc1 not msgpack")
+        seq += 4                                                                   # three batches lost
+        await ordinary(10)
+        seq = 0                                                                    # the publisher restarted
+        await ordinary(40)
+        final = seq - 1
+        assert await wait_for(lambda: c_sub.last_seq == final and py_sub.last_seq == final, within=10.0)
+        def shape(ix: PrefixIndex) -> Any:   # the state without last-use times (each took its own clock)
+            lru, owners, leaves, shared = ix.state()
+            return {e: [h for h, _ in blocks] for e, blocks in lru.items()}, owners, leaves, shared
+
+        assert [shape(ix) for ix in c_ix] == [shape(ix) for ix in py_ix]
+        assert ([at.trans.state() for at in c_sub.mirror._all]   # type: ignore[union-attr]
+                == [at.trans.state() for at in py_sub.mirror._all])
+        ignore = {"batches": 0, "direct_batches": 0}
+        assert replace(c_sub.mirror.stats, **ignore) == replace(py_sub.mirror.stats, **ignore)
+        counters = ("gaps", "missed", "restarts", "bad_frames", "duplicates")
+        assert [getattr(c_sub, k) for k in counters] == [getattr(py_sub, k) for k in counters]
+        assert c_sub.gaps >= 1 and c_sub.restarts == 1 and c_sub.bad_frames >= 2
+        s = c_sub.mirror.stats
+        assert s.bad_payloads >= 1 and s.tier_blocks_stored and s.blocks_removed
+        assert s.direct_batches >= 100 and py_sub.mirror.stats.direct_batches >= 100   # Python's path: one call
+        assert c_ix[0].blocks(ENGINE) > 0
+    finally:
+        await c_sub.stop()
+        await py_sub.stop()
+        pub.close(linger=0)
+        ctx.term()

@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
 
 #include "../../../contracts/_chain.h"
@@ -864,6 +865,126 @@ find_parent(const Medium *media, int n_media, int own, int32_t group, uint64_t p
     return p;
 }
 
+/* What applying batches did, as ``apply_batch`` returns it. */
+typedef struct {
+    Py_ssize_t stored, tier_stored, removed, clears, unknown, no_tokens, other;
+    long long engine_block_size;
+} Counts;
+
+/* Everything a batch is applied with besides the batch. */
+typedef struct {
+    Medium media[MAX_MEDIA];
+    int n_media;
+    PyObject *engine;
+    Py_ssize_t block_size;
+    int64_t root;
+    double now;
+} Target;
+
+/* ``args``: media, engine, block_size, root_seed, now. */
+static int
+load_target(PyObject *const *args, Target *to)
+{
+    if (load_media(args[0], to->media, &to->n_media) < 0) return -1;
+    to->engine = args[1];
+    if (!PyUnicode_Check(to->engine)) {
+        PyErr_SetString(PyExc_TypeError, "an engine is named by a str");
+        return -1;
+    }
+    to->block_size = PyLong_AsSsize_t(args[2]);
+    if (to->block_size == -1 && PyErr_Occurred()) return -1;
+    long long root = PyLong_AsLongLong(args[3]);
+    if (root == -1 && PyErr_Occurred()) return -1;
+    to->root = (int64_t)root;
+    to->now = PyFloat_AsDouble(args[4]);
+    if (to->now == -1.0 && PyErr_Occurred()) return -1;
+    if (to->block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return -1;
+    }
+    return 0;
+}
+
+/* One published batch applied to ``to``, its effects added to ``c``: 1; 0 if it is not the common
+ * shape (nothing changed); -1 with an exception. */
+static int
+apply_words(const Target *to, const uint8_t *data, Py_ssize_t size, Counts *c)
+{
+    const Medium *media = to->media;
+    int n_media = to->n_media;
+    PyObject *engine = to->engine;
+    Py_ssize_t bs = to->block_size;
+    Translation *t = media[0].trans;   /* its scratch holds the batch */
+    Py_ssize_t n = read_batch(t, data, size, bs);
+    if (n == -1) return 0;
+    if (n < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const WireEvent *ev = &t->wev[i];
+        if (ev->kind == EV_CLEARED) {   /* it carries no medium, and a reset clears the tiers too */
+            c->clears++;
+            for (int m = 0; m < n_media; m++)
+                if (Translation_reset(media[m].trans) < 0 || index_api->clear(media[m].index, engine) < 0)
+                    return -1;
+            continue;
+        }
+        int at = medium_of(ev, media, n_media);
+        if (at < 0) {
+            c->other++;
+            continue;
+        }
+        Translation *tr = media[at].trans;
+        PyObject *index = media[at].index;
+        const uint64_t *keys = t->wkeys + ev->keys;
+        if (ev->kind == EV_REMOVED) {
+            Py_ssize_t freed;
+            Py_ssize_t found = remove_words(tr, ev->group, keys, ev->n_keys, &freed);
+            if (found < 0) return -1;
+            if (at == 0) c->removed += found;
+            if (freed && index_api->remove(index, engine, tr->freed, freed) < 0) return -1;
+            continue;
+        }
+        if (ev->n_tokens == 0) {   /* an offload tier's placeholder: nothing to hash */
+            c->no_tokens++;
+            continue;
+        }
+        if (at == 0) c->engine_block_size = ev->block_size;
+        int64_t seed = to->root;
+        long long start = 0;
+        if (ev->has_parent) {
+            const Entry *p = find_parent(media, n_media, at, ev->group, ev->parent);
+            if (p == NULL) {   /* missed event, or a partial tail's parent inside an engine block */
+                c->unknown++;
+                continue;
+            }
+            seed = entry_ours(p)[p->per - 1];
+            start = p->depth;
+        }
+        Py_ssize_t blocks = ev->n_tokens / ev->block_size;
+        if (blocks > ev->n_keys) blocks = ev->n_keys;
+        if (blocks == 0) continue;
+        uint32_t per = (uint32_t)(ev->block_size / bs);
+        Py_ssize_t m = blocks * per;
+        if (room((void **)&t->wours, &t->wours_cap, m, sizeof(int64_t)) < 0) return -1;
+        if (chain_api->chain(t->wtok + ev->tokens, m, bs, seed, (Py_ssize_t)start, t->wours) < 0) {
+            PyErr_SetString(PyExc_OverflowError, "depth out of range");
+            return -1;
+        }
+        if (store_words(tr, ev->group, keys, blocks, t->wours, per, start) < 0) return -1;
+        if (at == 0) c->stored += blocks;
+        else c->tier_stored += blocks;
+        if (index_api->add(index, engine, t->wours, m, ev->has_parent, seed, to->now, media[at].capacity) < 0)
+            return -1;
+    }
+    return 1;
+}
+
+static PyObject *
+counts_tuple(const Counts *c)
+{
+    return Py_BuildValue("(nnnnnnnL)", c->stored, c->tier_stored, c->removed, c->clears, c->unknown,
+                         c->no_tokens, c->other, c->engine_block_size);
+}
+
 /* apply_batch(payload, media, engine, block_size, root_seed, now): the published batch ``payload``
  * applied to the mirror's ``media`` under ``engine``, as ``KvEventMirror.apply_payload`` would: each
  * event to its medium's translation and index (see ``load_media``), re-hashed at ``block_size`` from
@@ -880,98 +1001,189 @@ apply_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     if (index_api == NULL || chain_api == NULL) Py_RETURN_NONE;
-    Medium media[MAX_MEDIA];
-    int n_media;
-    PyObject *engine = args[2];
-    if (load_media(args[1], media, &n_media) < 0) return NULL;
-    if (!PyUnicode_Check(engine)) {
-        PyErr_SetString(PyExc_TypeError, "an engine is named by a str");
-        return NULL;
-    }
-    Py_ssize_t bs = PyLong_AsSsize_t(args[3]);
-    if (bs == -1 && PyErr_Occurred()) return NULL;
-    long long root = PyLong_AsLongLong(args[4]);
-    if (root == -1 && PyErr_Occurred()) return NULL;
-    double now = PyFloat_AsDouble(args[5]);
-    if (now == -1.0 && PyErr_Occurred()) return NULL;
-    if (bs <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
-        return NULL;
-    }
-    Translation *t = media[0].trans;   /* its scratch holds the batch */
+    Target to;
+    if (load_target(args + 1, &to) < 0) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t n = read_batch(t, (const uint8_t *)view.buf, view.len, bs);
-    PyObject *result = NULL;
-    if (n == -1) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    if (n < 0) goto done;
-    Py_ssize_t stored = 0, tier_stored = 0, removed = 0, clears = 0, unknown = 0, no_tokens = 0, other = 0;
-    long long engine_block_size = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const WireEvent *ev = &t->wev[i];
-        if (ev->kind == EV_CLEARED) {   /* it carries no medium, and a reset clears the tiers too */
-            clears++;
-            for (int m = 0; m < n_media; m++)
-                if (Translation_reset(media[m].trans) < 0 || index_api->clear(media[m].index, engine) < 0)
-                    goto done;
-            continue;
-        }
-        int at = medium_of(ev, media, n_media);
-        if (at < 0) {
-            other++;
-            continue;
-        }
-        Translation *tr = media[at].trans;
-        PyObject *index = media[at].index;
-        const uint64_t *keys = t->wkeys + ev->keys;
-        if (ev->kind == EV_REMOVED) {
-            Py_ssize_t freed;
-            Py_ssize_t found = remove_words(tr, ev->group, keys, ev->n_keys, &freed);
-            if (found < 0) goto done;
-            if (at == 0) removed += found;
-            if (freed && index_api->remove(index, engine, tr->freed, freed) < 0) goto done;
-            continue;
-        }
-        if (ev->n_tokens == 0) {   /* an offload tier's placeholder: nothing to hash */
-            no_tokens++;
-            continue;
-        }
-        if (at == 0) engine_block_size = ev->block_size;
-        int64_t seed = root;
-        long long start = 0;
-        if (ev->has_parent) {
-            const Entry *p = find_parent(media, n_media, at, ev->group, ev->parent);
-            if (p == NULL) {   /* missed event, or a partial tail's parent inside an engine block */
-                unknown++;
-                continue;
-            }
-            seed = entry_ours(p)[p->per - 1];
-            start = p->depth;
-        }
-        Py_ssize_t blocks = ev->n_tokens / ev->block_size;
-        if (blocks > ev->n_keys) blocks = ev->n_keys;
-        if (blocks == 0) continue;
-        uint32_t per = (uint32_t)(ev->block_size / bs);
-        Py_ssize_t m = blocks * per;
-        if (room((void **)&t->wours, &t->wours_cap, m, sizeof(int64_t)) < 0) goto done;
-        if (chain_api->chain(t->wtok + ev->tokens, m, bs, seed, (Py_ssize_t)start, t->wours) < 0) {
-            PyErr_SetString(PyExc_OverflowError, "depth out of range");
-            goto done;
-        }
-        if (store_words(tr, ev->group, keys, blocks, t->wours, per, start) < 0) goto done;
-        if (at == 0) stored += blocks;
-        else tier_stored += blocks;
-        if (index_api->add(index, engine, t->wours, m, ev->has_parent, seed, now, media[at].capacity) < 0)
-            goto done;
-    }
-    result = Py_BuildValue("(nnnnnnnL)", stored, tier_stored, removed, clears, unknown, no_tokens, other,
-                           engine_block_size);
-done:
+    Counts c = {0, 0, 0, 0, 0, 0, 0, -1};
+    int rc = apply_words(&to, (const uint8_t *)view.buf, view.len, &c);
     PyBuffer_Release(&view);
-    return result;
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
+    return counts_tuple(&c);
+}
+
+/* --- the feed's drain, over libzmq ----------------------------------------------------------- */
+
+/* Why receive here: with a batch applied in one call, pyzmq's receive (three frame objects and their
+ * bytes per message) and the loop around it were a fifth of the intake's CPU. libzmq is the one pyzmq
+ * loaded (feeds.py finds its functions); nothing is linked at build time, and without it the feed
+ * receives in Python as before. */
+
+typedef struct {
+    uint64_t _[8];   /* libzmq's zmq_msg_t: 64 opaque bytes since 4.0 */
+} ZmqMsg;
+
+#define ZMQ_DONTWAIT_ 1
+#define ZMQ_EVENTS_ 15
+#define ZMQ_POLLIN_ 1
+#define MAX_FRAMES 8
+
+static struct {
+    int (*msg_init)(ZmqMsg *);
+    int (*msg_recv)(ZmqMsg *, void *, int);
+    void *(*msg_data)(ZmqMsg *);
+    size_t (*msg_size)(const ZmqMsg *);
+    int (*msg_more)(const ZmqMsg *);
+    int (*msg_close)(ZmqMsg *);
+    int (*getsockopt)(void *, int, void *, size_t *);
+    int (*errno_)(void);
+} zmq_fns;
+
+/* bind_zmq(msg_init, msg_recv, msg_data, msg_size, msg_more, msg_close, getsockopt, errno): libzmq's
+ * functions by address. */
+static PyObject *
+bind_zmq(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    void *fns[8];
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "bind_zmq takes the addresses of 8 libzmq functions");
+        return NULL;
+    }
+    for (int i = 0; i < 8; i++) {
+        fns[i] = PyLong_AsVoidPtr(args[i]);
+        if (fns[i] == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a libzmq function's address is 0");
+            return NULL;
+        }
+    }
+    memcpy(&zmq_fns, fns, sizeof(zmq_fns));
+    Py_RETURN_NONE;
+}
+
+static void
+close_frames(ZmqMsg *frames, int n)
+{
+    for (int i = 0; i < n; i++) zmq_fns.msg_close(&frames[i]);
+}
+
+/* One message, framed as feeds._receive frames it: three frames whatever their ``more`` flags (fewer
+ * if the socket runs dry), then the rest while the last says more. Returns the frame count (0: none
+ * waiting), or -1 with an exception. */
+static int
+receive(void *sock, ZmqMsg *frames, int *extra)
+{
+    int n = 0;
+    ZmqMsg spare;
+    *extra = 0;
+    for (;;) {
+        ZmqMsg *f = n < MAX_FRAMES ? &frames[n] : &spare;
+        zmq_fns.msg_init(f);
+        if (zmq_fns.msg_recv(f, sock, ZMQ_DONTWAIT_) < 0) {
+            int err = zmq_fns.errno_();
+            zmq_fns.msg_close(f);
+            if (err == EAGAIN) return n;   /* nothing waiting, or a message of fewer than three frames */
+            close_frames(frames, n);
+            PyErr_Format(PyExc_OSError, "libzmq receive failed (errno %d)", err);
+            return -1;
+        }
+        int more = zmq_fns.msg_more(f);
+        if (f == &spare) {   /* past what is kept: counted (handed back empty) */
+            zmq_fns.msg_close(f);
+            (*extra)++;
+        } else {
+            n++;
+        }
+        if (n + *extra >= 3 && !more) return n;
+    }
+}
+
+/* drain(socket, last_seq, max_messages, media, engine, block_size, root_seed, now): applies the
+ * socket's waiting messages while each is the next in sequence and ``apply_batch`` takes it, up to
+ * ``max_messages``. Returns ``(last_seq, messages applied, counts as apply_batch's, the message it
+ * stopped at as a list of frames or None, whether more is waiting)``; a message handed back was
+ * received but not applied (a gap, a restart, bad framing, a batch Python must decode): the caller
+ * handles it. Reading ``EVENTS`` at the end re-arms ZMQ's edge-triggered descriptor. */
+static PyObject *
+drain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "drain(socket, last_seq, max_messages, media, engine, block_size, root_seed, now)");
+        return NULL;
+    }
+    if (zmq_fns.msg_recv == NULL || index_api == NULL || chain_api == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "drain needs bind_zmq and the index's and chain's extensions");
+        return NULL;
+    }
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    if (sock == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "no socket");
+        return NULL;
+    }
+    long long last = PyLong_AsLongLong(args[1]);
+    if (last == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t budget = PyLong_AsSsize_t(args[2]);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    Target to;
+    if (load_target(args + 3, &to) < 0) return NULL;
+    Counts c = {0, 0, 0, 0, 0, 0, 0, -1};
+    Py_ssize_t applied = 0;
+    PyObject *held = Py_NewRef(Py_None);
+    ZmqMsg frames[MAX_FRAMES];
+    while (applied < budget) {
+        int extra;
+        int n = receive(sock, frames, &extra);
+        if (n < 0) goto fail;
+        if (n == 0) break;
+        int rc = 0;
+        if (n == 3 && extra == 0 && zmq_fns.msg_size(&frames[1]) == 8) {
+            uint64_t seq = big_endian(zmq_fns.msg_data(&frames[1]), 8);
+            if (seq <= INT64_MAX && last < INT64_MAX && (long long)seq == last + 1) {
+                rc = apply_words(&to, zmq_fns.msg_data(&frames[2]), (Py_ssize_t)zmq_fns.msg_size(&frames[2]), &c);
+                if (rc < 0) {
+                    close_frames(frames, n);
+                    goto fail;
+                }
+                if (rc) last = (long long)seq;
+            }
+        }
+        if (rc) {
+            applied++;
+            close_frames(frames, n);
+            continue;
+        }
+        Py_DECREF(held);   /* handed back whole (frames past MAX_FRAMES are counted as empty ones) */
+        held = PyList_New(n + extra);
+        if (held == NULL) {
+            close_frames(frames, n);
+            goto fail;
+        }
+        for (int i = 0; i < n + extra; i++) {
+            PyObject *b = i < n ? PyBytes_FromStringAndSize(zmq_fns.msg_data(&frames[i]),
+                                                            (Py_ssize_t)zmq_fns.msg_size(&frames[i]))
+                                : PyBytes_FromStringAndSize(NULL, 0);
+            if (b == NULL) {
+                close_frames(frames, n);
+                goto fail;
+            }
+            PyList_SET_ITEM(held, i, b);
+        }
+        close_frames(frames, n);
+        break;
+    }
+    int events = 0;
+    size_t size = sizeof(events);
+    if (zmq_fns.getsockopt(sock, ZMQ_EVENTS_, &events, &size) < 0) {
+        PyErr_Format(PyExc_OSError, "libzmq getsockopt(EVENTS) failed (errno %d)", zmq_fns.errno_());
+        goto fail;
+    }
+    PyObject *counts = counts_tuple(&c);
+    if (counts == NULL) goto fail;
+    return Py_BuildValue("(LnNNO)", last, applied, counts, held, (events & ZMQ_POLLIN_) ? Py_True : Py_False);
+fail:
+    Py_XDECREF(held);
+    return NULL;
 }
 
 static PyObject *
@@ -1061,6 +1273,10 @@ static PyTypeObject TranslationType = {
 static PyMethodDef module_methods[] = {
     {"apply_batch", (PyCFunction)(void (*)(void))apply_batch, METH_FASTCALL,
      "apply_batch(payload, media, engine, block_size, root_seed, now) -> counts, or None"},
+    {"bind_zmq", (PyCFunction)(void (*)(void))bind_zmq, METH_FASTCALL,
+     "bind_zmq(*addresses): libzmq's functions for drain"},
+    {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
+     "drain(socket, last_seq, max_messages, media, engine, block_size, root_seed, now) -> ..."},
     {NULL, NULL, 0, NULL},
 };
 

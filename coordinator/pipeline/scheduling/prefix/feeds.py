@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from coordinator.pipeline.scheduling.prefix import kv_events
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
 
@@ -30,6 +32,31 @@ log = logging.getLogger(__name__)
 # The backend's own ``get`` skips the first (docs/scheduling.md, "The pod's KV index").
 _get = zmq.backend.Socket.get
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+
+_LIBZMQ_FUNCTIONS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more",
+                     "zmq_msg_close", "zmq_getsockopt", "zmq_errno")
+
+
+def _bind_native_drain() -> bool:
+    """Hand ``_mirror.drain`` the functions of the libzmq that pyzmq loaded (found in the process's
+    memory map: pyzmq's wheels bundle their own), so that it receives without pyzmq's objects. False
+    (the feeds receive in Python) without the extension, on a platform without ``/proc/self/maps``, or
+    with a pyzmq linked statically."""
+    if not kv_events.NATIVE_MIRROR or zmq.zmq_version_info() < (4, 0):
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {parts[5] for line in maps if len(parts := line.split(maxsplit=5)) == 6}
+        lib = ctypes.CDLL(next(p.strip() for p in paths if "/libzmq" in p))
+        return kv_events.bind_libzmq([ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+                                      for name in _LIBZMQ_FUNCTIONS])
+    except (OSError, StopIteration, AttributeError, ValueError):
+        return False
+
+
+NATIVE_DRAIN = _bind_native_drain()
+"""Whether feeds receive and apply their batches in C (``_mirror.drain``), Python handling the rest."""
 
 
 def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
@@ -71,6 +98,7 @@ class KvEventSubscriber:
     END_SEQ = (-1).to_bytes(8, "big", signed=True)
     REPLAY_TIMEOUT_S = 2.0
     BATCH_S = 0.002  # the most one engine's batches hold the event loop at a time
+    DRAIN_MESSAGES = 32  # messages per native drain call, between looks at the clock
 
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
                  context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None,
@@ -100,6 +128,9 @@ class KvEventSubscriber:
         self._held: list[bytes] | None = None   # a batch after a gap, applied once the replay is done
         self._replaying: asyncio.Task[None] | None = None
         self._again: asyncio.Handle | None = None
+        # Receive in C while the stream is plain (the next sequence number, the common batch), Python
+        # handling whatever it hands back (``KvEventMirror.drain``).
+        self.native_drain = NATIVE_DRAIN and mirror.drains
 
     @property
     def running(self) -> bool:
@@ -157,10 +188,23 @@ class KvEventSubscriber:
             return
         deadline = time.perf_counter() + self.BATCH_S
         while True:
-            try:
-                frames = _receive(sock)   # woken for a message, almost always: no readiness check first
-            except zmq.Again:
-                return
+            if self.native_drain and self.last_seq is not None and not self._catching_up:
+                last, held, more = self.mirror.drain(sock.underlying, self.last_seq, self.DRAIN_MESSAGES)
+                self.last_seq = last
+                if held is None:   # all applied; the drain read ``EVENTS`` last
+                    if not more:
+                        return
+                    if time.perf_counter() >= deadline:
+                        assert self._loop is not None
+                        self._again = self._loop.call_soon(self._drain)
+                        return
+                    continue
+                frames = held
+            else:
+                try:
+                    frames = _receive(sock)   # woken for a message, almost always: no readiness check first
+                except zmq.Again:
+                    return
             if self._gap_to_replay(frames):
                 self._held = frames
                 assert self._loop is not None

@@ -49,6 +49,14 @@ except ImportError:
 NATIVE_MIRROR = _native is not None
 """Whether mirrors keep their translation tables in C (``_mirror.c``)."""
 
+
+def bind_libzmq(addresses: Sequence[int]) -> bool:
+    """Give ``KvEventMirror.drain`` libzmq's functions (feeds.py finds them); False without ``_mirror``."""
+    if _native is None:
+        return False
+    _native.bind_zmq(*addresses)
+    return True
+
 log = logging.getLogger(__name__)
 
 PRIMARY_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
@@ -304,19 +312,7 @@ class KvEventMirror:
             done = _native.apply_batch(payload, self._direct, self.engine, self.block_size, self._root,
                                        self.index.now())
             if done is not None:
-                stats = self.stats
-                stored, tier_stored, removed, clears, unknown, no_tokens, other, engine_block_size = done
-                stats.batches += 1
-                stats.direct_batches += 1
-                stats.blocks_stored += stored
-                stats.tier_blocks_stored += tier_stored
-                stats.blocks_removed += removed
-                stats.clears += clears
-                stats.unknown_parent += unknown
-                stats.no_tokens += no_tokens
-                stats.other_medium += other
-                if engine_block_size >= 0:
-                    stats.engine_block_size = engine_block_size
+                self._count_direct(1, done)
                 return True
         try:
             events = decode_batch(payload)
@@ -328,6 +324,39 @@ class KvEventMirror:
         self.stats.batches += 1
         self.apply(events)
         return True
+
+    @property
+    def drains(self) -> bool:
+        """Whether ``drain`` can receive for this mirror (its batches go to C: ``_direct_media``)."""
+        return self._direct is not None
+
+    def drain(self, socket: int, last_seq: int, max_messages: int) -> tuple[int, list[bytes] | None, bool]:
+        """Receive and apply, in C (``_mirror.drain``), the messages waiting on the libzmq socket
+        ``socket`` that continue ``last_seq`` and are the common batch. Returns the last sequence number
+        applied, the message it stopped at (received, not applied: the caller handles it) and whether
+        more are waiting."""
+        assert self._direct is not None
+        last, applied, counts, held, more = _native.drain(socket, last_seq, max_messages, self._direct,
+                                                          self.engine, self.block_size, self._root,
+                                                          self.index.now())
+        if applied:
+            self._count_direct(applied, counts)
+        return last, held, more
+
+    def _count_direct(self, batches: int, counts: tuple[int, int, int, int, int, int, int, int]) -> None:
+        stats = self.stats
+        stored, tier_stored, removed, clears, unknown, no_tokens, other, engine_block_size = counts
+        stats.batches += batches
+        stats.direct_batches += batches
+        stats.blocks_stored += stored
+        stats.tier_blocks_stored += tier_stored
+        stats.blocks_removed += removed
+        stats.clears += clears
+        stats.unknown_parent += unknown
+        stats.no_tokens += no_tokens
+        stats.other_medium += other
+        if engine_block_size >= 0:
+            stats.engine_block_size = engine_block_size
 
     def apply(self, events: Sequence[KVEvent]) -> None:
         for ev in events:
