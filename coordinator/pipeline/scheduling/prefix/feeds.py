@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -39,19 +40,19 @@ _LIBZMQ_FUNCTIONS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_si
 
 
 def _bind_native_drain() -> bool:
-    """Hand ``_mirror.drain`` the functions of the libzmq that pyzmq loaded (found in the process's
-    memory map: pyzmq's wheels bundle their own), so that it receives without pyzmq's objects. False
-    (the feeds receive in Python) without the extension, on a platform without ``/proc/self/maps``, or
-    with a pyzmq linked statically."""
-    if not kv_events.NATIVE_MIRROR or zmq.zmq_version_info() < (4, 0):
+    """Hand ``_mirror.drain`` the functions of the libzmq that pyzmq's backend uses, so that it receives
+    without pyzmq's objects. Looked up through the backend's own extension module: a symbol is searched
+    in that module and the libraries it links, so this is the libzmq its sockets belong to even if
+    another one is loaded (pyzmq's wheels bundle their own). False (the feeds receive in Python)
+    without the extension, for a libzmq outside 4.2-4.x (``zmq_msg_t``'s size), or for a backend that
+    does not expose them (CFFI, a static build)."""
+    if not kv_events.NATIVE_MIRROR or not (4, 2) <= zmq.zmq_version_info() < (5, 0):
         return False
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {parts[5] for line in maps if len(parts := line.split(maxsplit=5)) == 6}
-        lib = ctypes.CDLL(next(p.strip() for p in paths if "/libzmq" in p))
+        lib = ctypes.CDLL(sys.modules[zmq.backend.Socket.__module__].__file__ or "")
         return kv_events.bind_libzmq([ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
                                       for name in _LIBZMQ_FUNCTIONS])
-    except (OSError, StopIteration, AttributeError, ValueError):
+    except (OSError, KeyError, AttributeError, TypeError, ValueError):
         return False
 
 
