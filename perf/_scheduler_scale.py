@@ -179,14 +179,16 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
         for i, s in enumerate(socks):
             hashes: list[bytes | int] = list(range(next_hash[i], next_hash[i] + blocks_per_batch))
             next_hash[i] += blocks_per_batch
+            # vLLM's shapes (BlockPool): a run's extra keys one per block (None without salt, LoRA or
+            # media), its KV cache group; an eviction one event per block.
             events: list[Any] = [BlockStored(
                 block_hashes=hashes, parent_block_hash=parents[i], token_ids=tokens[i], block_size=BLOCK,
-                lora_id=None, medium="GPU", lora_name=None)]
+                lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * len(hashes), group_idx=0)]
             parents[i] = hashes[-1]
             held[i] += hashes
             if evict and len(held[i]) > keep_blocks:
                 gone, held[i] = held[i][:blocks_per_batch], held[i][blocks_per_batch:]
-                events.append(BlockRemoved(block_hashes=gone, medium="GPU"))
+                events += [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0) for h in gone]
             if rng.random() < 0.02:   # a new conversation now and then: a root run
                 parents[i] = None
             payload = enc.encode(KVEventBatch(ts=time.time(), events=events))

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from coordinator.contracts.hashing import block_hashes, chain_seed
+from coordinator.pipeline.scheduling.prefix import kv_events
 from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from tests.conftest import SERVED, VllmStack
@@ -96,6 +97,9 @@ async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, str]) ->
             await generate(client, engine.url, branch, "kv-2")
             assert await until(lambda: index.match(ours(branch)).get(engine.url, 0) == full)
             assert mirror.stats.unknown_parent == 0
+            # vLLM's own batches (extra keys None per block, one removal event per block) are read
+            # and applied by the one C call, not decoded in Python (docs/scheduling.md).
+            assert kv_events.NATIVE_MIRROR and mirror.stats.direct_batches >= 2, mirror.stats
 
             # cache_salt is in the first block's extra_keys and seeds a separate chain.
             await generate(client, engine.url, prompt, "kv-3", cache_salt="tenant1")

@@ -513,6 +513,7 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
                                  "medium": rng.choice(["GPU", "GPU", "GPU", None, "CPU", "cpu", "STORAGE",
                                                        "disk"]), "lora_name": None}
         for key, value in (("group_idx", rng.choice([0, 1, None])), ("kv_cache_spec_kind", "full_attention"),
+                           ("extra_keys", [None] * len(hashes)),
                            ("kv_cache_spec_sliding_window", None), ("locality", "local"),
                            ("session_id", None)):
             if rng.random() < 0.4:
@@ -530,6 +531,7 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     declined = [
         lambda e: e.update(lora_name="adapter", lora_id=3), lambda e: e.update(medium="CPÜ"),
         lambda e: e.update(extra_keys=[["img", 0]] * len(e["block_hashes"])),
+        lambda e: e.update(extra_keys=[None, "salt"]),
         lambda e: e.update(block_hashes=[h.to_bytes(8, "big") for h in e["block_hashes"]]),
         lambda e: e.update(parent_block_hash=-5), lambda e: e.update(block_size=24),
         lambda e: e.update(surprise=1), lambda e: e.update(type="BlockMoved"),

@@ -720,9 +720,19 @@ read_event(Translation *t, Reader *r, WireEvent *ev, Py_ssize_t *keys_used, Py_s
         } else if (key_is(k, kn, "block_size")) {
             if (read_int(r, &ev->block_size) < 0) return -1;
             seen |= F_BLOCK_SIZE;
-        } else if (key_is(k, kn, "lora_id") || key_is(k, kn, "lora_name") || key_is(k, kn, "extra_keys")) {
-            if (!read_nil(r)) return -1;   /* LoRA and media: Python's path */
-            seen |= k[0] == 'e' ? F_EXTRA : kn == 7 ? F_LORA_ID : F_LORA_NAME;
+        } else if (key_is(k, kn, "extra_keys")) {
+            /* vLLM publishes one entry per block, nil for a block with none: only those are read here
+             * (a salt, LoRA, media or prompt embeds take Python's path) */
+            uint32_t entries;
+            if (!read_nil(r)) {
+                if (read_array(r, &entries) < 0) return -1;
+                for (uint32_t i = 0; i < entries; i++)
+                    if (!read_nil(r)) return -1;
+            }
+            seen |= F_EXTRA;
+        } else if (key_is(k, kn, "lora_id") || key_is(k, kn, "lora_name")) {
+            if (!read_nil(r)) return -1;   /* LoRA: Python's path */
+            seen |= kn == 7 ? F_LORA_ID : F_LORA_NAME;
         } else if (key_is(k, kn, "medium")) {
             if (!read_nil(r)) {
                 if (read_str(r, &ev->medium, &ev->medium_len) < 0) return -1;
