@@ -665,3 +665,43 @@ async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:
         await py_sub.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: pytest.LogCaptureFixture) -> None:
+    """If the C drain raises (out of memory, a libzmq error), the feed logs it, receives in Python from
+    then on, and the batches keep reaching the index."""
+    from coordinator.pipeline.scheduling.prefix import feeds
+
+    assert feeds.NATIVE_DRAIN
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    index = PrefixIndex()
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", KvEventMirror(index, ENGINE, MODEL, BS), "kv", context=ctx)
+    assert sub.native_drain
+
+    def broken(*args: Any) -> Any:
+        raise MemoryError("no room")
+
+    seq = 0
+
+    async def send(*events: Any) -> None:
+        nonlocal seq
+        await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload(*events)])
+        seq += 1
+
+    toks, hs = run_of(PROMPT, BS)
+    try:
+        sub.start()
+        assert await wait_for(lambda: sub.last_seq is not None, send)
+        sub.mirror.drain = broken  # type: ignore[method-assign]
+        await send(stored(toks, hs))
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18})
+        assert not sub.native_drain and sub.gaps == 0
+        assert "the native drain failed" in caplog.text
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+        ctx.term()

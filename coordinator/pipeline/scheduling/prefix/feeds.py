@@ -190,7 +190,13 @@ class KvEventSubscriber:
         deadline = time.perf_counter() + self.BATCH_S
         while True:
             if self.native_drain and self.last_seq is not None and not self._catching_up:
-                last, held, more = self.mirror.drain(sock.underlying, self.last_seq, self.DRAIN_MESSAGES)
+                try:
+                    last, held, more = self.mirror.drain(sock.underlying, self.last_seq, self.DRAIN_MESSAGES)
+                except Exception:   # out of memory, a libzmq error: receive in Python from here on
+                    log.exception("KV events from %s: the native drain failed; receiving in Python",
+                                  self.mirror.engine)
+                    self.native_drain = False
+                    continue
                 self.last_seq = last
                 if held is None:   # all applied; the drain read ``EVENTS`` last
                     if not more:
