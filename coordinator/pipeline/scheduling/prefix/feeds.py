@@ -199,11 +199,7 @@ class KvEventSubscriber:
                     continue
                 self.last_seq = last
                 if held is None:   # all applied; the drain read ``EVENTS`` last
-                    if not more:
-                        return
-                    if time.perf_counter() >= deadline:
-                        assert self._loop is not None
-                        self._again = self._loop.call_soon(self._drain)
+                    if not more or self._later(deadline):
                         return
                     continue
                 frames = held
@@ -221,12 +217,16 @@ class KvEventSubscriber:
             self._apply(frames)
             # ``EVENTS`` rather than receiving until ``zmq.Again``: the exception costs twice as much,
             # and reading ``EVENTS`` re-arms ZMQ's edge-triggered descriptor.
-            if not cast(int, _get(sock, _EVENTS)) & _POLLIN:
+            if not cast(int, _get(sock, _EVENTS)) & _POLLIN or self._later(deadline):
                 return
-            if time.perf_counter() >= deadline:
-                assert self._loop is not None
-                self._again = self._loop.call_soon(self._drain)
-                return
+
+    def _later(self, deadline: float) -> bool:
+        """Past ``deadline``: the drain goes on in a callback of its own (the loop serves others first)."""
+        if time.perf_counter() < deadline:
+            return False
+        assert self._loop is not None
+        self._again = self._loop.call_soon(self._drain)
+        return True
 
     async def _bootstrap(self) -> None:
         try:
