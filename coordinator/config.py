@@ -500,6 +500,11 @@ class PrefixIndexSettings(_Section):
         "cache, each with the weight a block held only there scores against a block in the engine's "
         "cache (1): it must be loaded back, not recomputed (docs/scheduling.md, \"Offload tiers\"); "
         "{} ignores them")
+    gather_ms: float = Field(
+        default=5.0, ge=0, le=100, description="precise: the KV-event feeds wake the process at most once "
+        "per this long and then drain every feed with news (one wake-up per interval, not per batch); the "
+        "index is this much behind the engines at most; 0: wake for each batch (docs/scheduling.md, "
+        "\"Gathered wake-ups\")")
     indexer: IndexerSettings = Field(default_factory=IndexerSettings)
 
     @field_validator("tiers")

@@ -32,12 +32,13 @@ from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, stats_ms, timed_decisions
 
 
-def _indexer(address: str, conn: Connection) -> None:
-    """Child: the pod's indexer process, precise source."""
+def _indexer(address: str, conn: Connection, gather_ms: float) -> None:
+    """Child: the pod's indexer process, precise source, its feeds gathered every ``gather_ms``."""
     from coordinator.indexer.process import serve
 
     os.environ.pop("COORD_CONFIG", None)
-    settings = Settings(scheduling=SchedulingSettings(prefix=PrefixIndexSettings(source="precise")))
+    settings = Settings(scheduling=SchedulingSettings(prefix=PrefixIndexSettings(source="precise",
+                                                                                 gather_ms=gather_ms)))
     asyncio.run(serve(settings, [address], started=conn.send))
 
 
@@ -97,25 +98,26 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
 
 def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                  say: Say, pure_python: bool = False, rounds: int = 2) -> dict[str, Any]:
+                  say: Say, pure_python: bool = False, rounds: int = 2,
+                  gather_ms: float = PrefixIndexSettings().gather_ms) -> dict[str, Any]:
     """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
     indexer; idle and busy in turn, ``rounds`` busy phases of ``decisions / rounds`` decisions each.
     ``pure_python``: the pod's processes run without the C extensions (``LLMC_PURE_PYTHON=1``, the
-    baseline)."""
+    baseline). ``gather_ms``: the indexer's ``scheduling.prefix.gather_ms``."""
     if pure_python:
         os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
     try:
         return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
                               interval_s=interval_s, batches_per_s=batches_per_s,
                               blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say,
-                              rounds=rounds)
+                              rounds=rounds, gather_ms=gather_ms)
     finally:
         os.environ.pop("LLMC_PURE_PYTHON", None)
 
 
 def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                    batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                   say: Say, rounds: int) -> dict[str, Any]:
+                   say: Say, rounds: int, gather_ms: float) -> dict[str, Any]:
     decisions = max(10, decisions // rounds)   # per phase
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
@@ -126,7 +128,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
     publisher.start()
     endpoints: list[str] = pub_parent.recv()
     ix_parent, ix_child = ctx.Pipe()
-    indexer = ctx.Process(target=_indexer, args=(address, ix_child), daemon=True)
+    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms), daemon=True)
     indexer.start()
     ix_parent.recv()
     links, procs = [], []
@@ -181,7 +183,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         say(f"kv intake, pod indexer{' (pure Python)' * (os.environ.get('LLMC_PURE_PYTHON') == '1')}: "
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
-            f"busy in turn ({rounds} busy phases, each between two idle ones)")
+            f"busy in turn ({rounds} busy phases, each between two idle ones), feeds gathered every "
+            f"{gather_ms:g} ms")
         # Every engine's cache full first, so that each measured batch evicts as much as it stores.
         pub_parent.send("fill")
         published = pub_parent.recv()
@@ -210,7 +213,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         rate = max(1, busy["blocks_applied_per_s"])
         final = status(address)
         offered = engines * batches_per_s * blocks_per_batch
-        return {"engines": engines, "workers": workers, "prompt_tokens": tokens, "decisions": decisions,
+        return {"engines": engines, "workers": workers, "gather_ms": gather_ms, "prompt_tokens": tokens,
+                "decisions": decisions,
                 "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),
                 "published_blocks": published, "idle": idle, "busy": busy, "gaps": final.gaps,
                 "applied_blocks": final.blocks_stored,

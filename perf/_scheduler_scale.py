@@ -173,30 +173,34 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
     publishing, sent_blocks = False, 0
     period = 1.0 / batches_per_s
 
-    def publish_round(evict: bool) -> None:
+    def publish(i: int, evict: bool) -> None:
         nonlocal sent_blocks
-        tokens = rng.integers(100, 49_000, size=(n_engines, blocks_per_batch * BLOCK)).tolist()
-        for i, s in enumerate(socks):
-            hashes: list[bytes | int] = list(range(next_hash[i], next_hash[i] + blocks_per_batch))
-            next_hash[i] += blocks_per_batch
-            # vLLM's shapes (BlockPool): a run's extra keys one per block (None without salt, LoRA or
-            # media), its KV cache group; an eviction one event per block.
-            events: list[Any] = [BlockStored(
-                block_hashes=hashes, parent_block_hash=parents[i], token_ids=tokens[i], block_size=BLOCK,
-                lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * len(hashes), group_idx=0)]
-            parents[i] = hashes[-1]
-            held[i] += hashes
-            if evict and len(held[i]) > keep_blocks:
-                gone, held[i] = held[i][:blocks_per_batch], held[i][blocks_per_batch:]
-                events += [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0) for h in gone]
-            if rng.random() < 0.02:   # a new conversation now and then: a root run
-                parents[i] = None
-            payload = enc.encode(KVEventBatch(ts=time.time(), events=events))
-            s.send_multipart([b"", seqs[i].to_bytes(8, "big"), payload])
-            seqs[i] += 1
-            sent_blocks += blocks_per_batch
+        s = socks[i]
+        tokens = rng.integers(100, 49_000, size=blocks_per_batch * BLOCK).tolist()
+        hashes: list[bytes | int] = list(range(next_hash[i], next_hash[i] + blocks_per_batch))
+        next_hash[i] += blocks_per_batch
+        # vLLM's shapes (BlockPool): a run's extra keys one per block (None without salt, LoRA or
+        # media), its KV cache group; an eviction one event per block.
+        events: list[Any] = [BlockStored(
+            block_hashes=hashes, parent_block_hash=parents[i], token_ids=tokens, block_size=BLOCK,
+            lora_id=None, medium="GPU", lora_name=None, extra_keys=[None] * len(hashes), group_idx=0)]
+        parents[i] = hashes[-1]
+        held[i] += hashes
+        if evict and len(held[i]) > keep_blocks:
+            gone, held[i] = held[i][:blocks_per_batch], held[i][blocks_per_batch:]
+            events += [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0) for h in gone]
+        if rng.random() < 0.02:   # a new conversation now and then: a root run
+            parents[i] = None
+        payload = enc.encode(KVEventBatch(ts=time.time(), events=events))
+        s.send_multipart([b"", seqs[i].to_bytes(8, "big"), payload])
+        seqs[i] += 1
+        sent_blocks += blocks_per_batch
 
-    tick = time.perf_counter()
+    # Engines are not in step: each publishes at its own phase of the period, so batches arrive spread
+    # over it (as from a real fleet) rather than all 256 at once, which would let one wake-up of the
+    # subscriber serve them all.
+    step = period / n_engines
+    due, turn = time.perf_counter(), 0
     while True:
         if conn.poll(0 if publishing else 0.05):
             cmd = conn.recv()
@@ -205,17 +209,18 @@ def _publish(n_engines: int, batches_per_s: float, blocks_per_batch: int, keep_b
                 break
             if cmd == "fill":   # every engine's cache full, at once: from here on each batch evicts
                 while len(held[0]) + blocks_per_batch <= keep_blocks:
-                    publish_round(evict=False)
+                    for i in range(n_engines):
+                        publish(i, evict=False)
             publishing = cmd == "go"
             conn.send(sent_blocks)
-            tick = time.perf_counter()
+            due = time.perf_counter()
         if not publishing:
             continue
-        publish_round(evict=True)
-        tick += period
-        delay = tick - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+        while due <= time.perf_counter():
+            publish(turn, evict=True)
+            turn = (turn + 1) % n_engines
+            due += step
+        time.sleep(max(0.0, due - time.perf_counter()))
     for s in socks:
         s.close(linger=0)
     ctx.term()
@@ -270,7 +275,8 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
     index = PrefixIndex(capacity_blocks=PrefixIndexSettings().capacity_blocks)
     pending = PrefixIndex(ttl_s=PrefixIndexSettings().pending_ttl_s)
     sched = bench_scheduler(engines, "affinity", index, http, seed, pending=pending)
-    source = PreciseIndexSource(index, lambda url: MODEL, BLOCK)
+    source = PreciseIndexSource(index, lambda url: MODEL, BLOCK,
+                                gather_s=PrefixIndexSettings().gather_ms / 1000)
     for i, ep in enumerate(endpoints):
         await source.attach(f"http://engine-{i}:8000", ep)
     await asyncio.sleep(1.0)  # ZMQ subscriptions settle before anything is published

@@ -705,3 +705,59 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: p
         await sub.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+async def test_gathered_feeds_apply_every_batch_with_one_wake_up_per_interval() -> None:
+    """With ``gather_s`` the feeds share one ``Gatherer``: the first batch wakes it, the next sweep
+    drains every feed with news. Eight engines' batches all reach the index, in far fewer sweeps than
+    batches (sent a few milliseconds apart, each would wake a feed of its own); a detached feed is no longer drained; ``stop_all`` closes the gatherer."""
+    from coordinator.pipeline.scheduling.prefix.feeds import Gatherer
+
+    assert Gatherer.available()
+    index = PrefixIndex()
+    ctx = zmq.asyncio.Context()
+    pubs, engines = [], [f"http://e{i}:8000" for i in range(8)]
+    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx, gather_s=0.1)
+    seqs = [0] * len(engines)
+
+    async def send(i: int, *events: Any) -> None:
+        await pubs[i].send_multipart([b"kv", seqs[i].to_bytes(8, "big"), payload(*events)])
+        seqs[i] += 1
+
+    async def hello() -> None:   # fresh SUB sockets miss what was sent before they joined
+        for i in range(len(engines)):
+            await send(i)
+
+    try:
+        for engine in engines:
+            pub = ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            port = pub.bind_to_random_port("tcp://127.0.0.1")
+            pubs.append(pub)
+            await source.attach(engine, f"tcp://127.0.0.1:{port}")
+        gatherer = source.gatherer
+        assert gatherer is not None and all(s._gatherer is gatherer for s in source.subscribers.values())
+        assert await wait_for(lambda: all(s.last_seq is not None for s in source.subscribers.values()), hello)
+        toks, hs = run_of(PROMPT, BS)
+        sweeps, sent = gatherer.sweeps, 0
+        for k in range(0, len(hs), 2):   # each engine stores the prompt two blocks a batch
+            for i in range(len(engines)):
+                await send(i, stored(toks[k * BS:(k + 2) * BS], hs[k:k + 2], parent=hs[k - 1] if k else None))
+                sent += 1
+                await asyncio.sleep(0.002)
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == dict.fromkeys(engines, len(hs)))
+        assert gatherer.sweeps - sweeps < sent / 4, (gatherer.sweeps - sweeps, sent)
+        assert all(s.gaps == 0 for s in source.subscribers.values())
+
+        await source.detach(engines[0])   # its blocks are forgotten; what it sends is not applied
+        await send(0, stored(toks[:BS], hs[:1]))
+        await send(1, removed(hs[4:]))
+        assert await wait_for(lambda: index.match(ours(PROMPT)) == {engines[1]: 4}
+                              | dict.fromkeys(engines[2:], len(hs)))
+        await source.stop_all()
+        assert source.gatherer is None and index.blocks(engines[1]) == 0
+    finally:
+        await source.stop_all()
+        for pub in pubs:
+            pub.close(linger=0)
+        ctx.term()

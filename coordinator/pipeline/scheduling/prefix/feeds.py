@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import select
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +81,64 @@ def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
     return frames
 
 
+class Gatherer:
+    """The feeds' ZMQ descriptors in an epoll set of our own, which the event loop watches as one.
+
+    Woken by the first feed with news, it waits ``interval`` seconds and then drains every feed that
+    is ready, so a busy fleet costs one wake-up of the loop (and of libzmq's signalling, which only
+    signals a reader that emptied its queue) per interval instead of one per published batch; the
+    index is then at most ``interval`` behind the engines (docs/scheduling.md, "Gathered wake-ups").
+    Linux only (``select.epoll``); elsewhere each feed watches its own descriptor.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        self.interval = interval
+        self.sweeps = 0
+        self._loop = loop
+        self._ep = select.epoll()
+        self._drains: dict[int, Callable[[], None]] = {}
+        self._sweep_at: asyncio.TimerHandle | None = None
+        self._loop.add_reader(self._ep.fileno(), self._woken)
+
+    @classmethod
+    def available(cls) -> bool:
+        return hasattr(select, "epoll")
+
+    def add(self, fd: int, drain: Callable[[], None]) -> None:
+        self._ep.register(fd, select.EPOLLIN)
+        self._drains[fd] = drain
+
+    def remove(self, fd: int) -> None:
+        if self._drains.pop(fd, None) is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(fd)
+
+    def close(self) -> None:
+        if self._sweep_at is not None:
+            self._sweep_at.cancel()
+        else:
+            self._loop.remove_reader(self._ep.fileno())
+        self._ep.close()
+        self._drains.clear()
+
+    def _woken(self) -> None:
+        self._loop.remove_reader(self._ep.fileno())
+        self._sweep_at = self._loop.call_later(self.interval, self._sweep)
+
+    def _sweep(self) -> None:
+        self._sweep_at = None
+        self.sweeps += 1
+        for fd, _ in self._ep.poll(0):
+            drain = self._drains.get(fd)
+            if drain is None:
+                continue
+            try:
+                drain()
+            except Exception:   # one feed's failure must not end the others' wake-ups
+                log.exception("KV events: a feed's drain failed")
+        self._loop.add_reader(self._ep.fileno(), self._woken)
+
+
 class KvEventSubscriber:
     """SUB socket on one engine's publisher, applying every batch to ``mirror``.
 
@@ -103,8 +162,9 @@ class KvEventSubscriber:
 
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
                  context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None,
-                 bootstrap: bool = False) -> None:
-        """``bootstrap``: on a start with nothing seen yet, first apply everything the engine's replay
+                 bootstrap: bool = False, gatherer: Gatherer | None = None) -> None:
+        """``gatherer``: watch the socket through it rather than with a reader of its own.
+        ``bootstrap``: on a start with nothing seen yet, first apply everything the engine's replay
         socket still buffers, so a fresh index (a restarted indexer) holds what the engine holds now,
         as far as the buffer reaches (vLLM keeps its last 10,000 batches by default)."""
         self.endpoint = endpoint
@@ -126,6 +186,7 @@ class KvEventSubscriber:
         self._sock: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
+        self._gatherer = gatherer
         self._held: list[bytes] | None = None   # a batch after a gap, applied once the replay is done
         self._replaying: asyncio.Task[None] | None = None
         self._again: asyncio.Handle | None = None
@@ -149,7 +210,10 @@ class KvEventSubscriber:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._fd = cast(int, sock.getsockopt(zmq.FD))
-        self._loop.add_reader(self._fd, self._drain)
+        if self._gatherer is not None:
+            self._gatherer.add(self._fd, self._drain)
+        else:
+            self._loop.add_reader(self._fd, self._drain)
         if self.bootstrap and self.replay_endpoint is not None and self.last_seq is None:
             self._replaying = self._loop.create_task(self._bootstrap(),
                                                      name=f"kv-events bootstrap {self.mirror.engine}")
@@ -175,7 +239,9 @@ class KvEventSubscriber:
                 await task
         self._held = None
         if sock is not None:
-            if self._loop is not None and self._fd is not None:
+            if self._gatherer is not None and self._fd is not None:
+                self._gatherer.remove(self._fd)
+            elif self._loop is not None and self._fd is not None:
                 self._loop.remove_reader(self._fd)
             sock.close(linger=0)
 
@@ -336,8 +402,9 @@ class PreciseIndexSource:
 
     def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
                  topic: str = "", context: zmq.Context[Any] | None = None, bootstrap: bool = False,
-                 tiers: Mapping[str, PrefixIndex] | None = None) -> None:
+                 tiers: Mapping[str, PrefixIndex] | None = None, gather_s: float = 0.0) -> None:
         """``bootstrap``: each feed first replays what its engine still buffers (``KvEventSubscriber``).
+        ``gather_s``: the feeds share one ``Gatherer`` of this interval (0: each wakes for itself).
         ``tiers``: the offload tiers' indexes (``KvEventMirror``); events of other tiers are dropped."""
         self.index = index
         self.tiers = dict(tiers or {})
@@ -347,6 +414,8 @@ class PreciseIndexSource:
         self._ctx = context
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self.bootstrap = bootstrap
+        self.gather_s = gather_s
+        self.gatherer: Gatherer | None = None
 
     async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
                      replay: str | None = None) -> KvEventSubscriber:
@@ -360,8 +429,10 @@ class PreciseIndexSource:
                 return sub
             await self.detach(engine_url)
         mirror = KvEventMirror(self.index, engine_url, model, self.block_size, tiers=self.tiers)
+        if self.gatherer is None and self.gather_s > 0 and Gatherer.available():
+            self.gatherer = Gatherer(asyncio.get_running_loop(), self.gather_s)
         sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
-                                bootstrap=self.bootstrap)
+                                bootstrap=self.bootstrap, gatherer=self.gatherer)
         sub.start()
         self.subscribers[engine_url] = sub
         log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)
@@ -375,6 +446,9 @@ class PreciseIndexSource:
     async def stop_all(self) -> None:
         for url in list(self.subscribers):
             await self.detach(url)
+        gatherer, self.gatherer = self.gatherer, None
+        if gatherer is not None:
+            gatherer.close()
 
 
 def connect_endpoint(endpoint: str, engine_url: str) -> str:
