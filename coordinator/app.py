@@ -226,7 +226,7 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     if where == "service":
         # The pod's indexer (or a shared one) holds the index, the pending layer and the KV-event feeds.
         remote = RemoteIndex(prefix.indexer.address or "", timeout_s=prefix.indexer.timeout_s,
-                             on_change=metrics.indexer_up.set)
+                             standby=prefix.indexer.standby, on_change=metrics.indexer_up.set)
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=False, index=None, defer=soon, remote=remote,
                               tier_weights=prefix.tiers if prefix.source == "precise" else None)
@@ -439,6 +439,9 @@ async def _index_state(c: Components) -> str | dict[str, Any]:
         return "none" if c.scheduler.index is None else "local"
     stats = await c.indexer.status() if c.indexer.up else None
     state: dict[str, Any] = {"indexer": "up" if stats is not None else "down", "address": c.indexer.address}
+    if len(c.indexer.lines) > 1:   # an HA pair: each line, and which one answered
+        state["lines"] = {address: "up" if up else "down" for address, up in c.indexer.lines.items()}
+        state["answered_by"] = c.indexer.answered_by
     if stats is not None:
         state.update(msgspec.structs.asdict(stats))
         state.pop("id", None)

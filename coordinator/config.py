@@ -454,6 +454,11 @@ class IndexerSettings(_Section):
     address: str | None = Field(
         default=None, description="service: the indexer's `tcp://host:port`",
     )
+    standby: str | None = Field(
+        default=None, description="service: a second indexer service, the other half of an HA pair: both "
+        "are told every engine feed and every lesson, so each holds the whole index, and a match asks "
+        "`address` unless it is down or was slow (docs/scheduling.md, \"An HA pair\")",
+    )
     listen: str = Field(
         default="tcp://0.0.0.0:5590", description="`python -m coordinator.indexer`: where the service "
         "listens (`tcp://host:port` or `unix:/path`)",
@@ -467,6 +472,9 @@ class IndexerSettings(_Section):
     def _address_for_service(self) -> IndexerSettings:
         if self.mode == "service" and not self.address:
             raise ValueError("scheduling.prefix.indexer.mode service needs scheduling.prefix.indexer.address")
+        if self.standby and self.mode != "service":
+            raise ValueError("scheduling.prefix.indexer.standby is the second of a pair of indexer services: "
+                             "it needs mode: service")
         return self
 
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.pipeline.scheduling.prefix.memory import RECENT_S
 from tests.conftest import SERVED, CoordinatorFactory
 from tests.integration.test_workers import Pod, pod
 from tests.support import ROOT, free_port, wait_until
@@ -236,5 +237,57 @@ def test_replicas_share_one_indexer_service_and_route_on_load_without_it(
         assert len(set(served.values())) == 1, served
     finally:
         service.stop(timeout=10)
+        for e in engines:
+            e.stop()
+
+
+def test_an_ha_pair_of_indexer_services_keeps_every_conversation_on_its_engine(
+        tmp_path: Path, render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
+    """Two replicas point at an HA pair (``address`` and ``standby``): both services are told every
+    replica's lessons. With the first SIGKILLed, the conversations begun before go on reaching the
+    engine that holds them (the standby knows them), no decision goes without an answer, and /ready
+    names the line that is down; started again, the first is back on both replicas' lines."""
+    ports = [free_port(), free_port()]
+    engines = [SimulatedEngine(SimConfig(model=SERVED, seed=i, decode_s_per_token=0.002)).start()
+               for i in range(3)]
+    services = [_indexer_service(tmp_path, port) for port in ports]
+    first, second = (f"tcp://127.0.0.1:{port}" for port in ports)
+    try:
+        line = {"prefix": {"indexer": {"mode": "service", "address": first, "standby": second}}}
+        replicas = [coordinator_factory(str(render_sidecar.url), [e.url for e in engines], scheduling=line)
+                    for _ in range(2)]
+
+        def ready(r: Any) -> dict[str, Any]:
+            return httpx.get(f"{r.url}/ready", timeout=10).json()["prefix_index"]
+
+        assert wait_until(lambda: all(ready(r).get("lines") == {first: "up", second: "up"} for r in replicas),
+                          timeout=20)
+
+        def turn(c: int, t: int) -> int:
+            r = replicas[t % 2]   # turns alternate between the replicas
+            return httpx.post(f"{r.url}/v1/completions", timeout=60, headers={"x-request-id": f"conv{c}-turn{t}"},
+                              json={"model": SERVED, "prompt": _prompt(c, t), "max_tokens": 4,
+                                    "ignore_eos": True, "temperature": 0}).status_code
+
+        assert [turn(c, t) for c in range(6) for t in range(1, 3)] == [200] * 12
+        os.kill(services[0].pid, signal.SIGKILL)
+        assert services[0].wait(10) is not None
+        assert wait_until(lambda: all(ready(r).get("lines") == {first: "down", second: "up"} for r in replicas),
+                          timeout=20)
+        assert all(ready(r)["indexer"] == "up" and ready(r)["answered_by"] == second for r in replicas)
+        time.sleep(RECENT_S + 0.5)   # the replicas' own recent lessons are gone: only the standby knows
+        assert [turn(c, t) for c in range(6) for t in range(3, 5)] == [200] * 12
+        served = _served_on(engines, [f"conv{c}-turn{t}" for c in range(6) for t in range(1, 5)])
+        for c in range(6):   # turns 3 and 4, routed with the standby's index, joined turns 1 and 2
+            assert len({served[f"conv{c}-turn{t}"] for t in range(1, 5)}) == 1, (c, served)
+        assert [_metric(r.url, "coordinator_prefix_indexer_unanswered_total") for r in replicas] == [0, 0]
+        assert [_metric(r.url, "coordinator_prefix_indexer_up") for r in replicas] == [1, 1]
+
+        services[0] = _indexer_service(tmp_path, ports[0])
+        assert wait_until(lambda: all(ready(r).get("lines") == {first: "up", second: "up"} for r in replicas),
+                          timeout=20)
+    finally:
+        for service in services:
+            service.stop(timeout=10)
         for e in engines:
             e.stop()

@@ -235,3 +235,65 @@ async def test_offloaded_prefixes_reach_the_worker_with_their_tier(tmp_path: Pat
     finally:
         await line.aclose()
         await server.stop()
+
+
+async def test_an_ha_pair_answers_from_the_standby_with_everything_it_was_told(tmp_path: Path) -> None:
+    """A line with a standby tells both indexers every lesson and feed; with the first one gone, or
+    stalled, the standby answers the same match, and nothing goes unanswered."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    async with indexer(tmp_path / "a") as (first, a), indexer(tmp_path / "b") as (_, b):
+        changes: list[bool] = []
+        line = RemoteIndex(a, timeout_s=0.5, standby=b, on_change=changes.append)
+        line.start()
+        memory = PrefixMemory(None, None, learn=False, remote=line)
+        try:
+            for _ in range(200):
+                if all(line.lines.values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert line.lines == {a: True, b: True} and changes == [True]
+            memory.learn("http://e1", SHORT)
+            memory.flush()
+            view = await memory.view(LONG)
+            assert view is not None and view.matched == {"http://e1": 6} and line.answered_by == a
+
+            await first.stop()   # the first is gone: the standby, told the same lesson, answers
+            for _ in range(200):
+                if not line.lines[a]:
+                    break
+                await asyncio.sleep(0.05)
+            assert line.up and line.lines == {a: False, b: True} and changes == [True]
+            view = await memory.view(LONG)
+            assert view is not None and view.matched == {"http://e1": 6} and line.answered_by == b
+            assert line.unanswered == 0
+            stats = await line.status()
+            assert stats is not None and stats.engines == 1
+        finally:
+            await line.aclose()
+
+
+async def test_a_stalled_first_indexer_hands_the_next_match_to_the_standby(tmp_path: Path) -> None:
+    """The first indexer accepts but never answers: one match waits out the timeout, the next asks
+    the standby at once."""
+    path = tmp_path / "silent.sock"
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+
+    silent = await asyncio.start_unix_server(hold, path=str(path))
+    async with indexer(tmp_path) as (_, standby):
+        line = RemoteIndex(f"unix:{path}", timeout_s=0.2, standby=standby)
+        line.start()
+        try:
+            for _ in range(200):
+                if all(line.lines.values()):
+                    break
+                await asyncio.sleep(0.05)
+            line.learn("http://e1", SHORT)
+            assert await line.match(LONG) is None and line.unanswered == 1   # the first one, stalled
+            reply = await line.match(LONG)   # asked of the standby, not of the stalled one again
+            assert reply is not None and line.answered_by == standby and line.unanswered == 1
+        finally:
+            await line.aclose()
+            silent.close()
