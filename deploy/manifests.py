@@ -41,7 +41,8 @@ from coordinator.pipeline.engines.versions import TESTED, line_of
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("union", "pd", "epd", "cpu", "fleet", "fleet-external-redis", "shared-indexer")
+OVERLAYS = ("union", "pd", "epd", "cpu", "fleet", "fleet-external-redis", "shared-indexer",
+            "shared-indexer-ha")
 
 # The oldest Kubernetes the manifests are written for: native sidecars (initContainers with
 # restartPolicy Always) are GA there. Validation uses this version's strict schemas (unknown fields

@@ -123,7 +123,7 @@ def test_pd_overlay_lists_a_prefill_and_a_decode_service_and_union_one(rendered:
              for name, objs in rendered.items()}
     assert roles == {"union": ["union"], "pd": ["prefill", "decode"], "epd": ["union", "encode"],
                      "cpu": ["union"], "fleet": ["union"], "fleet-external-redis": ["union"],
-                     "shared-indexer": ["union"]}
+                     "shared-indexer": ["union"], "shared-indexer-ha": ["union"]}
 
 
 def test_shared_indexer_overlay_points_every_replica_at_one_indexer(rendered: dict[str, list[Obj]]) -> None:
@@ -149,6 +149,36 @@ def test_shared_indexer_overlay_points_every_replica_at_one_indexer(rendered: di
     config = deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
     assert config in {v["configMap"]["name"] for v in pod(objs, "Deployment", "llm-coordinator")["volumes"]
                       if "configMap" in v}
+
+
+def test_ha_indexer_overlay_gives_every_replica_a_line_to_each_of_two_indexers(
+        rendered: dict[str, list[Obj]]) -> None:
+    """The HA pair: the shared-indexer fleet plus a standby indexer of its own name, whose Service
+    reaches its pod only (not the first one's), named in every replica's ``standby``; the two prefer
+    different nodes."""
+    objs, single = rendered["shared-indexer-ha"], rendered["shared-indexer"]
+    env = {e["name"]: e.get("value") for e in coordinator(objs)["env"]}
+    assert env["COORD_SCHEDULING__PREFIX__INDEXER__MODE"] == "service"
+    lines = [env["COORD_SCHEDULING__PREFIX__INDEXER__ADDRESS"], env["COORD_SCHEDULING__PREFIX__INDEXER__STANDBY"]]
+    names = ["llm-kv-indexer", "llm-kv-indexer-standby"]
+    pod_labels = []
+    for address, name in zip(lines, names, strict=True):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        service = obj(objs, "Service", name)
+        assert host == f"{name}.{service['metadata']['namespace']}.svc.cluster.local"
+        assert service["spec"]["ports"][0]["port"] == int(port)
+        deployment = obj(objs, "Deployment", name)
+        assert deployment["spec"]["replicas"] == 1
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        pod_labels.append(labels)
+        spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+        term = spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+        assert term["labelSelector"]["matchLabels"].items() <= labels.items()
+    for service_name, other in ((names[0], pod_labels[1]), (names[1], pod_labels[0])):
+        assert not obj(objs, "Service", service_name)["spec"]["selector"].items() <= other.items()
+    assert (obj(objs, "Deployment", names[1])["spec"]["template"]["spec"]["containers"]
+            == obj(single, "Deployment", names[0])["spec"]["template"]["spec"]["containers"])
 
 
 def test_cpu_overlay_is_the_union_fleet_on_the_cpu_images(rendered: dict[str, list[Obj]],
