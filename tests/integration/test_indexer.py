@@ -191,6 +191,19 @@ def _indexer_service(tmp_path: Path, port: int) -> ManagedProcess:
     return process
 
 
+def _replica_index(r: Any) -> dict[str, Any]:
+    """A replica's /ready word on the prefix index."""
+    return httpx.get(f"{r.url}/ready", timeout=10).json()["prefix_index"]
+
+
+def _alternate(replicas: list[Any], c: int, t: int) -> int:
+    """Conversation ``c``'s turn ``t``, sent to one replica or the other by the turn's parity."""
+    r = replicas[t % 2]
+    return httpx.post(f"{r.url}/v1/completions", timeout=60, headers={"x-request-id": f"conv{c}-turn{t}"},
+                      json={"model": SERVED, "prompt": _prompt(c, t), "max_tokens": 4,
+                            "ignore_eos": True, "temperature": 0}).status_code
+
+
 def test_replicas_share_one_indexer_service_and_route_on_load_without_it(
         tmp_path: Path, render_sidecar: Any, coordinator_factory: CoordinatorFactory) -> None:
     """Two coordinator replicas point at one ``python -m coordinator.indexer``: a conversation whose
@@ -206,33 +219,24 @@ def test_replicas_share_one_indexer_service_and_route_on_load_without_it(
         replicas = [coordinator_factory(str(render_sidecar.url), [e.url for e in engines], scheduling=line)
                     for _ in range(2)]
 
-        def ready(r: Any) -> dict[str, Any]:
-            return httpx.get(f"{r.url}/ready", timeout=10).json()["prefix_index"]
+        assert wait_until(lambda: all(_replica_index(r)["indexer"] == "up" for r in replicas), timeout=20)
 
-        assert wait_until(lambda: all(ready(r)["indexer"] == "up" for r in replicas), timeout=20)
-
-        def turn(c: int, t: int) -> int:
-            r = replicas[t % 2]   # turns alternate between the replicas
-            return httpx.post(f"{r.url}/v1/completions", timeout=60, headers={"x-request-id": f"conv{c}-turn{t}"},
-                              json={"model": SERVED, "prompt": _prompt(c, t), "max_tokens": 4,
-                                    "ignore_eos": True, "temperature": 0}).status_code
-
-        assert [turn(c, t) for c in range(6) for t in range(1, 5)] == [200] * 24
+        assert [_alternate(replicas, c, t) for c in range(6) for t in range(1, 5)] == [200] * 24
         served = _served_on(engines, [f"conv{c}-turn{t}" for c in range(6) for t in range(1, 5)])
         for c in range(6):
             assert len({served[f"conv{c}-turn{t}"] for t in range(1, 5)}) == 1, (c, served)
 
         os.kill(service.pid, signal.SIGKILL)
         assert service.wait(10) is not None
-        assert wait_until(lambda: all(ready(r)["indexer"] == "down" for r in replicas), timeout=20)
-        assert [turn(c, t) for c in range(6, 9) for t in range(1, 3)] == [200] * 6
+        assert wait_until(lambda: all(_replica_index(r)["indexer"] == "down" for r in replicas), timeout=20)
+        assert [_alternate(replicas, c, t) for c in range(6, 9) for t in range(1, 3)] == [200] * 6
         unanswered = [_metric(r.url, "coordinator_prefix_indexer_unanswered_total") for r in replicas]
         assert sum(unanswered) == 6, unanswered   # each decision without the index is counted
         assert [_metric(r.url, "coordinator_prefix_indexer_up") for r in replicas] == [0, 0]
 
         service = _indexer_service(tmp_path, port)
-        assert wait_until(lambda: all(ready(r)["indexer"] == "up" for r in replicas), timeout=20)
-        assert [turn(9, t) for t in range(1, 5)] == [200] * 4
+        assert wait_until(lambda: all(_replica_index(r)["indexer"] == "up" for r in replicas), timeout=20)
+        assert [_alternate(replicas, 9, t) for t in range(1, 5)] == [200] * 4
         served = _served_on(engines, [f"conv9-turn{t}" for t in range(1, 5)])
         assert len(set(served.values())) == 1, served
     finally:
@@ -257,26 +261,17 @@ def test_an_ha_pair_of_indexer_services_keeps_every_conversation_on_its_engine(
         replicas = [coordinator_factory(str(render_sidecar.url), [e.url for e in engines], scheduling=line)
                     for _ in range(2)]
 
-        def ready(r: Any) -> dict[str, Any]:
-            return httpx.get(f"{r.url}/ready", timeout=10).json()["prefix_index"]
-
-        assert wait_until(lambda: all(ready(r).get("lines") == {first: "up", second: "up"} for r in replicas),
+        assert wait_until(lambda: all(_replica_index(r).get("lines") == {first: "up", second: "up"} for r in replicas),
                           timeout=20)
 
-        def turn(c: int, t: int) -> int:
-            r = replicas[t % 2]   # turns alternate between the replicas
-            return httpx.post(f"{r.url}/v1/completions", timeout=60, headers={"x-request-id": f"conv{c}-turn{t}"},
-                              json={"model": SERVED, "prompt": _prompt(c, t), "max_tokens": 4,
-                                    "ignore_eos": True, "temperature": 0}).status_code
-
-        assert [turn(c, t) for c in range(6) for t in range(1, 3)] == [200] * 12
+        assert [_alternate(replicas, c, t) for c in range(6) for t in range(1, 3)] == [200] * 12
         os.kill(services[0].pid, signal.SIGKILL)
         assert services[0].wait(10) is not None
-        assert wait_until(lambda: all(ready(r).get("lines") == {first: "down", second: "up"} for r in replicas),
+        assert wait_until(lambda: all(_replica_index(r).get("lines") == {first: "down", second: "up"} for r in replicas),
                           timeout=20)
-        assert all(ready(r)["indexer"] == "up" and ready(r)["answered_by"] == second for r in replicas)
+        assert all(_replica_index(r)["indexer"] == "up" and _replica_index(r)["answered_by"] == second for r in replicas)
         time.sleep(RECENT_S + 0.5)   # the replicas' own recent lessons are gone: only the standby knows
-        assert [turn(c, t) for c in range(6) for t in range(3, 5)] == [200] * 12
+        assert [_alternate(replicas, c, t) for c in range(6) for t in range(3, 5)] == [200] * 12
         served = _served_on(engines, [f"conv{c}-turn{t}" for c in range(6) for t in range(1, 5)])
         for c in range(6):   # turns 3 and 4, routed with the standby's index, joined turns 1 and 2
             assert len({served[f"conv{c}-turn{t}"] for t in range(1, 5)}) == 1, (c, served)
@@ -284,7 +279,7 @@ def test_an_ha_pair_of_indexer_services_keeps_every_conversation_on_its_engine(
         assert [_metric(r.url, "coordinator_prefix_indexer_up") for r in replicas] == [1, 1]
 
         services[0] = _indexer_service(tmp_path, ports[0])
-        assert wait_until(lambda: all(ready(r).get("lines") == {first: "up", second: "up"} for r in replicas),
+        assert wait_until(lambda: all(_replica_index(r).get("lines") == {first: "up", second: "up"} for r in replicas),
                           timeout=20)
     finally:
         for service in services:
