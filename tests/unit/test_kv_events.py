@@ -471,7 +471,8 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     medium named in lower case, one no tier keeps); and batches the C reader must decline untouched
     (LoRA, a medium that is not ASCII, extra keys,
     bytes or negative hashes, a block size that is not a multiple of ours, an unknown field or event,
-    truncated or trailing bytes, garbage). After every batch both hold the same index (LRU order and
+    truncated or trailing bytes, garbage); evictions as vLLM sends them, one BlockRemoved per block
+    (applied in one pass where they follow each other in one medium and group). After every batch both hold the same index (LRU order and
     times, owners, leaves), the same translation and the same counters."""
     from dataclasses import replace
 
@@ -485,7 +486,7 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
         return now[0]
 
     def mirror_with_tiers() -> tuple[KvEventMirror, list[PrefixIndex]]:
-        indexes = [PrefixIndex(capacity_blocks=60, clock=tick), PrefixIndex(clock=tick),
+        indexes = [PrefixIndex(capacity_blocks=40, clock=tick), PrefixIndex(clock=tick),
                    PrefixIndex(capacity_blocks=30, clock=tick)]
         return KvEventMirror(indexes[0], ENGINE, MODEL, BS,
                              tiers={"CPU": indexes[1], "STORAGE": indexes[2]}), indexes
@@ -542,6 +543,17 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
         events: list[dict[str, Any]] = []
         for _ in range(rng.randrange(1, 4)):
             events.append(run(rng.choice([BS, BS, 2 * BS])) if rng.random() < 0.6 else gone())
+        if rng.random() < 0.3:   # an eviction as vLLM sends it: one BlockRemoved per block, mostly alike
+            medium, group = rng.choice(["GPU", "GPU", "CPU", None]), rng.choice([0, 0, 1])
+            recent = known[-40:]   # mostly still held
+            for h in [*rng.sample(recent, min(len(recent), rng.randrange(2, 7))), rng.randrange(2**64)]:
+                evicted = {"type": "BlockRemoved", "block_hashes": [h], "group_idx": group,
+                           "medium": medium if rng.random() < 0.8 else rng.choice(["CPU", "STORAGE", "GPU"])}
+                if rng.random() < 0.1:
+                    evicted["group_idx"] = 1 - group
+                if rng.random() < 0.2 and known:   # now and then two blocks in one
+                    evicted["block_hashes"] = [h, rng.choice(recent)]
+                events.append(evicted)
         if roll < 0.03:
             events.append({"type": "AllBlocksCleared"})
         elif roll < 0.15:
@@ -560,7 +572,7 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     assert ref.stats.direct_batches == 0 and 1500 * 0.7 < s.direct_batches < 1500 * 0.9, s
     assert s.blocks_stored and s.blocks_removed and s.clears and s.unknown_parent and s.bad_payloads, s
     assert s.unsupported_block_size and s.other_medium and s.tier_blocks_stored and s.no_tokens, s
-    assert peak == 60   # the capacity trimmed it
+    assert peak == 40   # the capacity trimmed it
 
 
 async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:

@@ -946,8 +946,20 @@ apply_words(const Target *to, const uint8_t *data, Py_ssize_t size, Counts *c)
         PyObject *index = media[at].index;
         const uint64_t *keys = t->wkeys + ev->keys;
         if (ev->kind == EV_REMOVED) {
+            /* vLLM sends one BlockRemoved per evicted block: the removals that follow in the same medium
+             * and group (``read_batch`` lays each event's keys after the last one's) are removed in one
+             * pass, so that their cache misses overlap as a run's do. The same effects as one by one: the
+             * translation and the index are apart, and each is changed in the events' order. */
+            Py_ssize_t n_keys = ev->n_keys;
+            while (i + 1 < n) {
+                const WireEvent *next = &t->wev[i + 1];
+                if (next->kind != EV_REMOVED || next->group != ev->group || medium_of(next, media, n_media) != at)
+                    break;
+                n_keys += next->n_keys;
+                i++;
+            }
             Py_ssize_t freed;
-            Py_ssize_t found = remove_words(tr, ev->group, keys, ev->n_keys, &freed);
+            Py_ssize_t found = remove_words(tr, ev->group, keys, n_keys, &freed);
             if (found < 0) return -1;
             if (at == 0) c->removed += found;
             if (freed && index_api->remove(index, engine, tr->freed, freed) < 0) return -1;
