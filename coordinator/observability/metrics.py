@@ -119,8 +119,8 @@ class Metrics:
                                      "who hashed them: render (the sidecar, with the ids) or coordinator",
                                      ["source"], registry=r)
         self.indexer_up = Gauge("coordinator_prefix_indexer_up", "1 while this process's line to the pod's "
-                                "KV indexer (scheduling.prefix.indexer) is up; 0: routing on load and its "
-                                "own recent decisions only", registry=r)
+                                "KV indexer (scheduling.prefix.indexer; either of an HA pair) is up; 0: "
+                                "routing on load and its own recent decisions only", registry=r)
         self.indexer_unanswered = Counter("coordinator_prefix_indexer_unanswered", "Routing decisions made "
                                           "without the KV indexer's match (it was down or answered later "
                                           "than scheduling.prefix.indexer.timeout_s)", registry=r)
