@@ -289,23 +289,17 @@ def main(argv: list[str] | None = None) -> None:
                        decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
                        batches_per_s=args.intake_batches_per_s, blocks_per_batch=args.intake_blocks_per_batch,
                        seed=args.seed, say=say)
-    pod = {str(n): kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
-                                 decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
-                                 batches_per_s=args.intake_batches_per_s,
-                                 blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=n,
-                                 say=say)
-           for n in (1, args.intake_workers)}
-    pure = kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
-                         decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
-                         batches_per_s=args.intake_batches_per_s,
-                         blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=1, say=say,
-                         pure_python=True)
-    # The baseline of the gathered wake-ups: the same pod, each feed woken for each of its batches.
-    woken = kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
-                          decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
-                          batches_per_s=args.intake_batches_per_s,
-                          blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=1, say=say,
-                          gather_ms=0.0)
+    def pod_run(workers: int, **variant: Any) -> dict[str, Any]:
+        """The pod's intake with ``workers`` workers; ``variant``: a baseline's settings."""
+        return kv_intake_pod(Workload, engines=args.scale_engines, tokens=args.scale_tokens,
+                             decisions=args.intake_decisions, interval_s=args.intake_interval_ms / 1000,
+                             batches_per_s=args.intake_batches_per_s,
+                             blocks_per_batch=args.intake_blocks_per_batch, seed=args.seed, workers=workers,
+                             say=say, **variant)
+
+    pod = {str(n): pod_run(n) for n in (1, args.intake_workers)}
+    pure = pod_run(1, pure_python=True)
+    woken = pod_run(1, gather_ms=0.0)   # the baseline of gathered wake-ups: a wake-up per batch
     one, many = pod["1"], pod[str(args.intake_workers)]
     pod_targets = {
         "lateness_p99": one["busy_lateness_p99_ms"] <= INTAKE_LATENESS_P99_MS
