@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -50,9 +50,13 @@ async def _open(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 class _Line:
     """One connection to one indexer, kept up until closed."""
 
-    def __init__(self, address: str, owner: RemoteIndex) -> None:
+    def __init__(self, address: str, feeds: Callable[[], Iterable[Attach]],
+                 changed: Callable[[], None]) -> None:
+        """``feeds``: what to send first on every connection; ``changed``: told when the line comes
+        and goes."""
         self.address = address
-        self.owner = owner
+        self.feeds = feeds
+        self.changed = changed
         self.writer: asyncio.StreamWriter | None = None
         self.waiting: dict[int, asyncio.Future[Matched | Stats]] = {}
         self.connects = 0
@@ -85,10 +89,10 @@ class _Line:
             self.writer, self.slow = writer, False
             self.connects += 1
             self.last_error = None
-            for message in self.owner._feeds.values():
+            for message in self.feeds():
                 writer.write(frame(message))
             log.info("KV indexer at %s: connected", self.address)
-            self.owner._changed()
+            self.changed()
             try:
                 await self.read(reader)
                 self.last_error = "the indexer closed the connection"
@@ -101,7 +105,7 @@ class _Line:
                     if not future.done():
                         future.set_exception(ConnectionError(self.last_error))
             log.warning("KV indexer: %s", self.last_error)
-            self.owner._changed()
+            self.changed()
 
     async def read(self, reader: asyncio.StreamReader) -> None:
         while True:
@@ -128,9 +132,9 @@ class RemoteIndex:
         self.timeout_s = timeout_s
         self.on_change = on_change
         self.unanswered = 0        # matches that got no answer (every line down, or too slow)
-        self._lines = [_Line(address, self), *([_Line(standby, self)] if standby else [])]
-        self._ids = itertools.count(1)
         self._feeds: dict[str, Attach] = {}   # sent again on every connection
+        self._lines = [_Line(where, self._feeds.values, self._changed) for where in (address, standby) if where]
+        self._ids = itertools.count(1)
         self._was_up = False
         self.answered_by: str | None = None   # the address of the indexer that answered last
 
