@@ -133,7 +133,8 @@ class RemoteIndex:
         self.on_change = on_change
         self.unanswered = 0        # matches that got no answer (every line down, or too slow)
         self._feeds: dict[str, Attach] = {}   # sent again on every connection
-        self._lines = [_Line(where, self._feeds.values, self._changed) for where in (address, standby) if where]
+        self._lines = [_Line(where, self._feeds.values, self._changed)
+                       for where in (address, standby) if where]
         self._ids = itertools.count(1)
         self._was_up = False
         self.answered_by: str | None = None   # the address of the indexer that answered last
