@@ -245,7 +245,8 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
                                                   ttl_s=prefix.pending_ttl_s),
                               tiers=tiers, tier_weights=prefix.tiers)
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
-                                     prefix.block_size, tiers=tiers, gather_s=prefix.gather_ms / 1000)
+                                     prefix.block_size, tiers=tiers, gather_s=prefix.gather_ms / 1000,
+                                     reader=prefix.reader)
     else:
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=False, index=None)

@@ -27,6 +27,7 @@ from pydantic_settings import (
 EngineRole = Literal["union", "prefill", "decode", "encode"]
 PD_ROLES = ("prefill", "decode")
 PdProtocol = Literal["handoff", "trigger"]
+FeedReader = Literal["zmtp", "libzmq"]
 
 
 class _Section(BaseModel):
@@ -513,6 +514,11 @@ class PrefixIndexSettings(_Section):
         "per this long and then drain every feed with news (one wake-up per interval, not per batch); the "
         "index is this much behind the engines at most; 0: wake for each batch (docs/scheduling.md, "
         "\"Gathered wake-ups\")")
+    reader: FeedReader = Field(
+        default="zmtp", description="precise: what reads the engines' KV-event feeds: `zmtp`, our own ZMTP "
+        "reader on the process's event loop (no libzmq I/O thread; `tcp://` and `ipc://` endpoints, "
+        "NULL security, which is what vLLM publishes with), `libzmq`, a pyzmq SUB socket per feed "
+        "(docs/scheduling.md, \"Our own ZMTP reader\")")
     indexer: IndexerSettings = Field(default_factory=IndexerSettings)
 
     @field_validator("tiers")

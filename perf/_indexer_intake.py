@@ -25,20 +25,24 @@ from typing import Any
 import httpx
 import psutil
 
-from coordinator.config import PrefixIndexSettings, SchedulingSettings, Settings
+from coordinator.config import FeedReader, PrefixIndexSettings, SchedulingSettings, Settings
 from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.contracts.indexer import HEAD_SIZE, Stats, Status, decode_reply, frame, frame_size
 from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, stats_ms, timed_decisions
 
+_DEFAULTS = PrefixIndexSettings()
 
-def _indexer(address: str, conn: Connection, gather_ms: float) -> None:
-    """Child: the pod's indexer process, precise source, its feeds gathered every ``gather_ms``."""
+
+def _indexer(address: str, conn: Connection, gather_ms: float, reader: FeedReader) -> None:
+    """Child: the pod's indexer process, precise source, its feeds gathered every ``gather_ms`` and read
+    by ``reader``."""
     from coordinator.indexer.process import serve
 
     os.environ.pop("COORD_CONFIG", None)
     settings = Settings(scheduling=SchedulingSettings(prefix=PrefixIndexSettings(source="precise",
-                                                                                 gather_ms=gather_ms)))
+                                                                                 gather_ms=gather_ms,
+                                                                                 reader=reader)))
     asyncio.run(serve(settings, [address], started=conn.send))
 
 
@@ -99,25 +103,26 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
 def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
                   say: Say, pure_python: bool = False, rounds: int = 2,
-                  gather_ms: float = PrefixIndexSettings().gather_ms) -> dict[str, Any]:
+                  gather_ms: float = _DEFAULTS.gather_ms, reader: FeedReader = _DEFAULTS.reader
+                  ) -> dict[str, Any]:
     """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
     indexer; idle and busy in turn, ``rounds`` busy phases of ``decisions / rounds`` decisions each.
     ``pure_python``: the pod's processes run without the C extensions (``LLMC_PURE_PYTHON=1``, the
-    baseline). ``gather_ms``: the indexer's ``scheduling.prefix.gather_ms``."""
+    baseline). ``gather_ms``, ``reader``: the indexer's ``scheduling.prefix`` settings of those names."""
     if pure_python:
         os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
     try:
         return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
                               interval_s=interval_s, batches_per_s=batches_per_s,
                               blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say,
-                              rounds=rounds, gather_ms=gather_ms)
+                              rounds=rounds, gather_ms=gather_ms, reader=reader)
     finally:
         os.environ.pop("LLMC_PURE_PYTHON", None)
 
 
 def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                    batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                   say: Say, rounds: int, gather_ms: float) -> dict[str, Any]:
+                   say: Say, rounds: int, gather_ms: float, reader: FeedReader) -> dict[str, Any]:
     decisions = max(10, decisions // rounds)   # per phase
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
@@ -128,7 +133,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
     publisher.start()
     endpoints: list[str] = pub_parent.recv()
     ix_parent, ix_child = ctx.Pipe()
-    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms), daemon=True)
+    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms, reader), daemon=True)
     indexer.start()
     ix_parent.recv()
     links, procs = [], []
@@ -184,7 +189,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
             f"busy in turn ({rounds} busy phases, each between two idle ones), feeds gathered every "
-            f"{gather_ms:g} ms")
+            f"{gather_ms:g} ms, read by {reader}")
         # Every engine's cache full first, so that each measured batch evicts as much as it stores.
         pub_parent.send("fill")
         published = pub_parent.recv()
@@ -213,7 +218,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         rate = max(1, busy["blocks_applied_per_s"])
         final = status(address)
         offered = engines * batches_per_s * blocks_per_batch
-        return {"engines": engines, "workers": workers, "gather_ms": gather_ms, "prompt_tokens": tokens,
+        return {"engines": engines, "workers": workers, "gather_ms": gather_ms, "reader": reader,
+                "prompt_tokens": tokens,
                 "decisions": decisions,
                 "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),
                 "published_blocks": published, "idle": idle, "busy": busy, "gaps": final.gaps,

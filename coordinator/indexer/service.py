@@ -48,7 +48,8 @@ class IndexService:
             self.memory = PrefixMemory(self.index, pending, learn=False, tiers=tiers)
             # A fresh indexer (a restart) first replays what each engine still buffers.
             self.feeds = PreciseIndexSource(self.index, self._model_of, prefix.block_size, bootstrap=True,
-                                            tiers=tiers, gather_s=prefix.gather_ms / 1000)
+                                            tiers=tiers, gather_s=prefix.gather_ms / 1000,
+                                            reader=prefix.reader)
         else:
             self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
             self.memory = PrefixMemory(self.index, None, learn=True)

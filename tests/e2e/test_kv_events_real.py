@@ -80,6 +80,7 @@ async def test_real_engine_events_drive_the_index(kv_engine: tuple[Any, str]) ->
         mirror = sub.mirror
         async with httpx.AsyncClient() as client:
             await joined(client, engine.url, sub)
+            assert sub.own_reader and sub.connects == 1   # vLLM's libzmq PUB, read by our ZMTP reader
 
             prompt = tokens(1)
             await generate(client, engine.url, prompt, "kv-1")

@@ -323,14 +323,19 @@ async def wait_for(cond: Any, publish: Any = None, within: float = 5.0) -> bool:
     return bool(cond())
 
 
-async def test_zmq_round_trip() -> None:
+READERS = pytest.mark.parametrize("reader", ["zmtp", "libzmq"])
+"""Every feed test runs with our own ZMTP reader (the default) and with libzmq's SUB socket."""
+
+
+@READERS
+async def test_zmq_round_trip(reader: str) -> None:
     index = PrefixIndex()
     ctx = zmq.asyncio.Context()
     port = free_port()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://*:{port}")
-    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx)
+    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx, reader=reader)
     seq = 0
     toks, hs = run_of(PROMPT, BS)
 
@@ -345,6 +350,7 @@ async def test_zmq_round_trip() -> None:
         await source.detach(ENGINE)
         sub = await source.attach(ENGINE, f"tcp://127.0.0.1:{port}")
         assert await source.attach(ENGINE, f"tcp://127.0.0.1:{port}") is sub
+        assert sub.own_reader == (reader == "zmtp")
 
         assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18}, lambda: send(stored(toks, hs)))
         await send(stored(toks, hs), topic=b"other")  # another topic: filtered by the SUB socket
@@ -366,7 +372,8 @@ async def test_zmq_round_trip() -> None:
         ctx.term()
 
 
-async def test_missed_batches_are_replayed_from_vllms_replay_socket() -> None:
+@READERS
+async def test_missed_batches_are_replayed_from_vllms_replay_socket(reader: str) -> None:
     """vLLM's own publisher (PUB + ROUTER replay buffer): batches published while the subscriber was
     away are fetched from the replay socket before the next live batch is applied, so the index ends
     up exactly as if nothing had been missed."""
@@ -377,7 +384,7 @@ async def test_missed_batches_are_replayed_from_vllms_replay_socket() -> None:
     ctx = zmq.asyncio.Context()
     mirror = KvEventMirror(index, ENGINE, MODEL, BS)
     sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx,
-                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", reader=reader)
     a_toks, a_hs = run_of(PROMPT, BS)
     b_toks, b_hs = run_of(OTHER, BS)
     try:
@@ -575,10 +582,11 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     assert peak == 40   # the capacity trimmed it
 
 
-async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:
+@READERS
+async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) -> None:
     """Two subscribers on one publisher, one receiving in C (``_mirror.drain``: libzmq's frames read
-    and applied in place, Python handed whatever is not the next common batch) and one receiving in
-    Python: after a stream of ordinary batches (offload tiers included), a batch only Python decodes,
+    and applied in place, or ``_mirror.drain_stream``: our reader's bytes parsed and applied in place;
+    Python handed whatever is not the next common batch) and one receiving in Python: after a stream of ordinary batches (offload tiers included), a batch only Python decodes,
     messages of four and of two frames, garbage, a sequence gap and a publisher restart, both hold the
     same indexes and translations and count the same gaps, restarts and bad messages."""
     from dataclasses import replace
@@ -595,7 +603,7 @@ async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:
     def subscriber(native: bool) -> tuple[KvEventSubscriber, list[PrefixIndex]]:
         indexes = [PrefixIndex(capacity_blocks=80), PrefixIndex(), PrefixIndex()]
         mirror = KvEventMirror(indexes[0], ENGINE, MODEL, BS, tiers={"CPU": indexes[1], "STORAGE": indexes[2]})
-        sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx)
+        sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx, reader=reader)
         sub.native_drain = native
         return sub, indexes
 
@@ -679,7 +687,9 @@ async def test_the_native_drain_ends_where_the_python_receive_ends() -> None:
         ctx.term()
 
 
-async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: pytest.LogCaptureFixture) -> None:
+@READERS
+async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """If the C drain raises (out of memory, a libzmq error), the feed logs it, receives in Python from
     then on, and the batches keep reaching the index."""
     from coordinator.pipeline.scheduling.prefix import feeds
@@ -691,7 +701,8 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: p
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://127.0.0.1:{port}")
     index = PrefixIndex()
-    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", KvEventMirror(index, ENGINE, MODEL, BS), "kv", context=ctx)
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", KvEventMirror(index, ENGINE, MODEL, BS), "kv", context=ctx,
+                            reader=reader)
     assert sub.native_drain
 
     def broken(*args: Any) -> Any:
@@ -708,7 +719,7 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: p
     try:
         sub.start()
         assert await wait_for(lambda: sub.last_seq is not None, send)
-        sub.mirror.drain = broken  # type: ignore[method-assign]
+        sub.mirror.drain = sub.mirror.drain_stream = broken  # type: ignore[method-assign]
         await send(stored(toks, hs))
         assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18})
         assert not sub.native_drain and sub.gaps == 0
@@ -719,7 +730,8 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(caplog: p
         ctx.term()
 
 
-async def test_gathered_feeds_apply_every_batch_with_one_wake_up_per_interval() -> None:
+@READERS
+async def test_gathered_feeds_apply_every_batch_with_one_wake_up_per_interval(reader: str) -> None:
     """With ``gather_s`` the feeds share one ``Gatherer``: the first batch wakes it, the next sweep
     drains every feed with news. Eight engines' batches all reach the index, in far fewer sweeps than
     batches (sent a few milliseconds apart, each would wake a feed of its own); a detached feed is no longer drained; ``stop_all`` closes the gatherer."""
@@ -729,7 +741,8 @@ async def test_gathered_feeds_apply_every_batch_with_one_wake_up_per_interval() 
     index = PrefixIndex()
     ctx = zmq.asyncio.Context()
     pubs, engines = [], [f"http://e{i}:8000" for i in range(8)]
-    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx, gather_s=0.1)
+    source = PreciseIndexSource(index, lambda url: MODEL, BS, topic="kv", context=ctx, gather_s=0.1,
+                                reader=reader)
     seqs = [0] * len(engines)
 
     async def send(i: int, *events: Any) -> None:

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include "../../../contracts/_chain.h"
 #include "_index.h"
@@ -1208,6 +1209,174 @@ fail:
     return NULL;
 }
 
+/* --- the feed's drain, over our own ZMTP reader (zmtp.py) ------------------------------------- */
+
+/* Why: a libzmq socket is served by libzmq's I/O thread, which wakes for every TCP arrival and
+ * signals the reader; at 256 engines that thread and its signalling were a third of the intake's CPU.
+ * Here the feed's own socket is read by the drain itself, and ZMTP's frames are parsed in place. */
+
+#define ZMTP_CHUNK 65536          /* zmtp.CHUNK */
+#define ZMTP_MAX_FRAME (64u << 20) /* zmtp.MAX_FRAME */
+
+enum { STREAM_DRAINED = 0, STREAM_MORE = 1, STREAM_PYTHON = 2, STREAM_CLOSED = 3 };
+
+/* The plain message (no command, at most MAX_FRAMES frames) at ``p[0:size]``: its frames' offsets and
+ * sizes. Returns the bytes it spans, 0 while it is incomplete, -1 if the head is anything else (a
+ * command, reserved flags, a frame past the limit, too many frames: zmtp.py's ``take`` reads it). */
+static Py_ssize_t
+zmtp_message(const uint8_t *p, Py_ssize_t size, Py_ssize_t *starts, Py_ssize_t *lens, int *n)
+{
+    Py_ssize_t at = 0;
+    *n = 0;
+    for (;;) {
+        if (size - at < 2) return 0;
+        uint8_t flags = p[at];
+        if (flags & ~3u) return -1;
+        uint64_t len;
+        Py_ssize_t start;
+        if (flags & 2u) {
+            if (size - at < 9) return 0;
+            len = big_endian(p + at + 1, 8);
+            start = at + 9;
+        } else {
+            len = p[at + 1];
+            start = at + 2;
+        }
+        if (len > ZMTP_MAX_FRAME || *n == MAX_FRAMES) return -1;
+        if ((uint64_t)(size - start) < len) return 0;
+        starts[*n] = start;
+        lens[*n] = (Py_ssize_t)len;
+        (*n)++;
+        at = start + (Py_ssize_t)len;
+        if (!(flags & 1u)) return at;
+    }
+}
+
+/* drain_stream(fd, buffer, last_seq, max_messages, media, engine, block_size, root_seed, now): takes
+ * the messages at the head of ``buffer`` (a bytearray: what was received and not yet taken), reading
+ * the non-blocking socket ``fd`` into it when they run out, and applies each while it is the next in
+ * sequence and ``apply_batch`` takes it, up to ``max_messages``. What it did not take stays in
+ * ``buffer``. Returns ``(last_seq, messages applied, counts as apply_batch's, the message it stopped at
+ * as a list of frames or None, state)``: 0 the socket is read dry and no whole message waits, 1 more
+ * may wait (the budget ran out, or a message was handed back), 2 the head is for zmtp.py to read (a
+ * command, or not a plain message), 3 the stream ended or failed (reconnect). */
+static PyObject *
+drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "drain_stream(fd, buffer, last_seq, max_messages, media, engine, "
+                                         "block_size, root_seed, now)");
+        return NULL;
+    }
+    if (index_api == NULL || chain_api == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "drain_stream needs the index's and chain's extensions");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    PyObject *buf = args[1];
+    if (!PyByteArray_Check(buf)) {
+        PyErr_SetString(PyExc_TypeError, "the buffer is a bytearray");
+        return NULL;
+    }
+    long long last = PyLong_AsLongLong(args[2]);
+    if (last == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t budget = PyLong_AsSsize_t(args[3]);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    Target to;
+    if (load_target(args + 4, &to) < 0) return NULL;
+    Counts c = {0, 0, 0, 0, 0, 0, 0, -1};
+    Py_ssize_t applied = 0, pos = 0;
+    int state = STREAM_DRAINED, dry = 0;
+    PyObject *held = Py_NewRef(Py_None);
+    Py_ssize_t starts[MAX_FRAMES], lens[MAX_FRAMES];
+    for (;;) {
+        if (applied >= budget) {
+            state = STREAM_MORE;
+            break;
+        }
+        const uint8_t *base = (const uint8_t *)PyByteArray_AS_STRING(buf);
+        Py_ssize_t len = PyByteArray_GET_SIZE(buf);
+        int nf;
+        Py_ssize_t took = zmtp_message(base + pos, len - pos, starts, lens, &nf);
+        if (took < 0) {
+            state = STREAM_PYTHON;
+            break;
+        }
+        if (took == 0) {   /* incomplete: read more, once the last read left the socket dry no more */
+            if (dry) break;
+            char *room_at = PyByteArray_AS_STRING(buf);
+            if (pos) {
+                memmove(room_at, room_at + pos, (size_t)(len - pos));
+                len -= pos;
+                pos = 0;
+            }
+            if (PyByteArray_Resize(buf, len + ZMTP_CHUNK) < 0) goto fail;
+            room_at = PyByteArray_AS_STRING(buf);
+            ssize_t got;
+            do {
+                got = recv((int)fd, room_at + len, ZMTP_CHUNK, MSG_DONTWAIT);
+            } while (got < 0 && errno == EINTR);
+            int err = errno;
+            if (PyByteArray_Resize(buf, len + (got > 0 ? got : 0)) < 0) goto fail;
+            if (got == 0 || (got < 0 && err != EAGAIN && err != EWOULDBLOCK)) {
+                state = STREAM_CLOSED;
+                break;
+            }
+            if (got < 0) break;
+            if (got < ZMTP_CHUNK) dry = 1;
+            continue;
+        }
+        const uint8_t *m = base + pos;
+        int rc = 0;
+        if (nf == 3 && lens[1] == 8) {
+            uint64_t seq = big_endian(m + starts[1], 8);
+            if (seq <= INT64_MAX && last < INT64_MAX && (long long)seq == last + 1) {
+                rc = apply_words(&to, m + starts[2], lens[2], &c);
+                if (rc < 0) goto fail;
+                if (rc) last = (long long)seq;
+            }
+        }
+        pos += took;
+        if (rc) {
+            applied++;
+            continue;
+        }
+        Py_DECREF(held);   /* handed back whole */
+        held = PyList_New(nf);
+        if (held == NULL) goto fail;
+        for (int i = 0; i < nf; i++) {
+            PyObject *b = PyBytes_FromStringAndSize((const char *)m + starts[i], lens[i]);
+            if (b == NULL) goto fail;
+            PyList_SET_ITEM(held, i, b);
+        }
+        state = STREAM_MORE;
+        break;
+    }
+    if (pos) {   /* what was taken leaves the buffer */
+        char *b = PyByteArray_AS_STRING(buf);
+        Py_ssize_t len = PyByteArray_GET_SIZE(buf);
+        memmove(b, b + pos, (size_t)(len - pos));
+        if (PyByteArray_Resize(buf, len - pos) < 0) goto fail_taken;
+    }
+    PyObject *counts = counts_tuple(&c);
+    if (counts == NULL) goto fail_taken;
+    return Py_BuildValue("(LnNNi)", last, applied, counts, held, state);
+fail:
+    if (pos) {
+        char *b = PyByteArray_AS_STRING(buf);
+        Py_ssize_t len = PyByteArray_GET_SIZE(buf);
+        memmove(b, b + pos, (size_t)(len - pos));
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PyByteArray_Resize(buf, len - pos) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+fail_taken:
+    Py_XDECREF(held);
+    return NULL;
+}
+
 static PyObject *
 Translation_clear(Translation *t, PyObject *Py_UNUSED(ignored))
 {
@@ -1299,6 +1468,8 @@ static PyMethodDef module_methods[] = {
      "bind_zmq(*addresses): libzmq's functions for drain"},
     {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
      "drain(socket, last_seq, max_messages, media, engine, block_size, root_seed, now) -> ..."},
+    {"drain_stream", (PyCFunction)(void (*)(void))drain_stream, METH_FASTCALL,
+     "drain_stream(fd, buffer, last_seq, max_messages, media, engine, block_size, root_seed, now) -> ..."},
     {NULL, NULL, 0, NULL},
 };
 

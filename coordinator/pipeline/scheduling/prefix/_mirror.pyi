@@ -25,3 +25,8 @@ def bind_zmq(msg_init: int, msg_recv: int, msg_data: int, msg_size: int, msg_mor
 def drain(socket: int, last_seq: int, max_messages: int, media: tuple[Medium, ...], engine: str,
           block_size: int, root_seed: int, now: float, /
           ) -> tuple[int, int, tuple[int, int, int, int, int, int, int, int], list[bytes] | None, bool]: ...
+Counts = tuple[int, int, int, int, int, int, int, int]
+
+def drain_stream(fd: int, buffer: bytearray, last_seq: int, max_messages: int, media: tuple[Medium, ...],
+                 engine: str, block_size: int, root_seed: int, now: float, /
+                 ) -> tuple[int, int, Counts, list[bytes] | None, int]: ...

@@ -20,9 +20,10 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from coordinator.pipeline.scheduling.prefix import kv_events
+from coordinator.pipeline.scheduling.prefix import kv_events, zmtp
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+from coordinator.pipeline.scheduling.prefix.zmtp import ZmtpError, ZmtpSubscription
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +143,16 @@ class Gatherer:
 class KvEventSubscriber:
     """SUB socket on one engine's publisher, applying every batch to ``mirror``.
 
-    vLLM's ``tcp://*:PORT`` endpoint binds, so we connect (ZMQ reconnects by itself if the engine
-    restarts). Sequence numbers are checked: a gap means lost batches, which are fetched from the
-    engine's ``replay_endpoint`` (vLLM's ROUTER socket: send the first missing sequence number, get
-    the buffered batches and an end marker) when one is configured; otherwise, or if the replay comes
-    back short, the gap is logged and counted and the index may hold stale blocks or miss some until
-    they are evicted or re-stored. A sequence that goes backwards means the publisher restarted, so
-    the engine's cache is empty and we reset the mirror.
+    vLLM's ``tcp://*:PORT`` endpoint binds, so we connect, and reconnect whenever the engine restarts:
+    with our own ZMTP reader (``zmtp``, ``reader="zmtp"``: no libzmq I/O thread) for ``tcp://`` and
+    ``ipc://`` endpoints, else with a libzmq SUB socket. Sequence numbers are checked: a gap means lost
+    batches, which are fetched from the engine's ``replay_endpoint`` (vLLM's ROUTER socket: send the
+    first missing sequence number, get the buffered batches and an end marker) when one is configured;
+    otherwise, or if the replay comes back short, the gap is logged and counted and the index may hold
+    stale blocks or miss some until they are evicted or re-stored. A sequence that goes backwards means
+    the publisher restarted, so the engine's cache is empty and we reset the mirror.
 
-    The socket is a plain (blocking-API) one watched with the loop's ``add_reader`` and drained with
+    The socket is watched with the loop's ``add_reader`` (or the ``Gatherer``) and drained with
     non-blocking receives: a batch costs no future, task switch or coroutine, which at 256 engines
     was two thirds of the intake's CPU (docs/scheduling.md, "The pod's KV index").
     """
@@ -162,8 +164,10 @@ class KvEventSubscriber:
 
     def __init__(self, endpoint: str, mirror: KvEventMirror, topic: str = "", *,
                  context: zmq.Context[Any] | None = None, replay_endpoint: str | None = None,
-                 bootstrap: bool = False, gatherer: Gatherer | None = None) -> None:
+                 bootstrap: bool = False, gatherer: Gatherer | None = None, reader: str = "zmtp") -> None:
         """``gatherer``: watch the socket through it rather than with a reader of its own.
+        ``reader``: ``zmtp`` reads the feed with ``zmtp.ZmtpSubscription`` where its endpoint allows
+        (``tcp://``, ``ipc://``), ``libzmq`` always with a libzmq SUB socket.
         ``bootstrap``: on a start with nothing seen yet, first apply everything the engine's replay
         socket still buffers, so a fresh index (a restarted indexer) holds what the engine holds now,
         as far as the buffer reaches (vLLM keeps its last 10,000 batches by default)."""
@@ -184,8 +188,10 @@ class KvEventSubscriber:
         self._ctx = zmq.asyncio.Context.shadow(ctx.underlying)      # replay's DEALER: awaited
         self._sync_ctx: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # the SUB: drained in callbacks
         self._sock: zmq.Socket[bytes] | None = None
+        self._zmtp: ZmtpSubscription | None = None
+        self.own_reader = reader == "zmtp" and zmtp.address(endpoint) is not None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd: int | None = None
+        self._fd: int | None = None   # the descriptor watched (a ZMTP feed's while it is connected)
         self._gatherer = gatherer
         self._held: list[bytes] | None = None   # a batch after a gap, applied once the replay is done
         self._replaying: asyncio.Task[None] | None = None
@@ -196,11 +202,25 @@ class KvEventSubscriber:
 
     @property
     def running(self) -> bool:
-        return self._sock is not None
+        return self._sock is not None or self._zmtp is not None
+
+    @property
+    def connects(self) -> int:
+        """Connections made by our own reader (0 with libzmq, which does not say)."""
+        return self._zmtp.connects if self._zmtp is not None else 0
 
     def start(self) -> None:
         """Connect and start receiving; needs a running event loop."""
-        if self._sock is not None:
+        if self.running:
+            return
+        self._loop = asyncio.get_running_loop()
+        if self.own_reader:
+            self._zmtp = ZmtpSubscription(self.endpoint, self.topic.encode(), self._connected,
+                                          self._disconnected)
+            self._zmtp.start()
+            if self.bootstrap and self.replay_endpoint is not None and self.last_seq is None:
+                self._replaying = self._loop.create_task(self._bootstrap(),
+                                                         name=f"kv-events bootstrap {self.mirror.engine}")
             return
         sock = self._sync_ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -208,17 +228,42 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sock.connect(self.endpoint)
         self._sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._fd = cast(int, sock.getsockopt(zmq.FD))
-        if self._gatherer is not None:
-            self._gatherer.add(self._fd, self._drain)
-        else:
-            self._loop.add_reader(self._fd, self._drain)
+        self._watch(cast(int, sock.getsockopt(zmq.FD)))
         if self.bootstrap and self.replay_endpoint is not None and self.last_seq is None:
             self._replaying = self._loop.create_task(self._bootstrap(),
                                                      name=f"kv-events bootstrap {self.mirror.engine}")
         else:
             self._again = self._loop.call_soon(self._drain)  # anything queued before the reader was added
+
+    def _watch(self, fd: int) -> None:
+        self._fd = fd
+        if self._gatherer is not None:
+            self._gatherer.add(fd, self._drain)
+        else:
+            assert self._loop is not None
+            self._loop.add_reader(fd, self._drain)
+
+    def _unwatch(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        if self._gatherer is not None:
+            self._gatherer.remove(fd)
+        elif self._loop is not None:
+            self._loop.remove_reader(fd)
+
+    def _connected(self, fd: int) -> None:
+        """Our reader's connection is up: watch it, and drain what came with the handshake. While a
+        replay runs the socket is not watched (its descriptor is level-triggered): the replay's end
+        watches it."""
+        if self._replaying is None:
+            self._watch(fd)
+            assert self._loop is not None
+            self._again = self._loop.call_soon(self._drain)
+
+    def _disconnected(self, fd: int) -> None:
+        if self._fd == fd:
+            self._unwatch()
 
     async def stop(self) -> None:
         """Stop receiving and forget this engine's blocks (nothing keeps them current any more)."""
@@ -229,6 +274,7 @@ class KvEventSubscriber:
         """Disconnect but keep the mirror and the sequence position (a later ``start`` resumes, and
         replays what it missed)."""
         sock, self._sock = self._sock, None
+        conn, self._zmtp = self._zmtp, None
         if self._again is not None:
             self._again.cancel()
             self._again = None
@@ -238,21 +284,99 @@ class KvEventSubscriber:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._held = None
+        self._unwatch()
         if sock is not None:
-            if self._gatherer is not None and self._fd is not None:
-                self._gatherer.remove(self._fd)
-            elif self._loop is not None and self._fd is not None:
-                self._loop.remove_reader(self._fd)
             sock.close(linger=0)
+        if conn is not None:
+            await conn.close()
 
     def _drain(self) -> None:
-        """Apply what is waiting, for up to ``BATCH_S``. ZMQ's descriptor is edge-triggered: it signals
-        only once the queue was emptied, so a drain cut short by the time cap (or by a gap to replay)
-        schedules its own continuation."""
+        """Apply what is waiting, for up to ``BATCH_S``; a drain cut short by that cap schedules its own
+        continuation (ZMQ's descriptor is edge-triggered, and our reader's buffer is not watched)."""
         self._again = None
-        sock = self._sock
-        if sock is None or self._replaying is not None:
+        if self._replaying is not None:
             return
+        if self._zmtp is not None:
+            self._drain_stream(self._zmtp)
+        elif self._sock is not None:
+            self._drain_socket(self._sock)
+
+    def _drain_stream(self, conn: ZmtpSubscription) -> None:
+        """Our reader's feed: messages are taken off its buffer, which is filled from its socket as it
+        runs dry (in C while the stream is plain, else in Python: ``take``, ``fill``)."""
+        fd = conn.fd
+        if fd is None:
+            return
+        deadline = time.perf_counter() + self.BATCH_S
+        while True:
+            frames: list[bytes] | None
+            if self.native_drain and self.last_seq is not None and not self._catching_up:
+                try:
+                    last, frames, state = self.mirror.drain_stream(fd, conn.buffer, self.last_seq,
+                                                                   self.DRAIN_MESSAGES)
+                except Exception:   # out of memory: receive in Python from here on
+                    log.exception("KV events from %s: the native drain failed; receiving in Python",
+                                  self.mirror.engine)
+                    self.native_drain = False
+                    continue
+                self.last_seq = last
+                if state == zmtp.CLOSED:
+                    conn.lost("end of stream")
+                    return
+                if frames is None:
+                    if state == zmtp.DRAINED:
+                        return
+                    if state == zmtp.MORE_WAITING:
+                        if self._later(deadline):
+                            return
+                        continue
+                    frames = self._take(conn)   # zmtp.PYTHON: a command, or not a plain message
+            else:
+                frames = self._take(conn)
+            if frames is None:
+                return
+            if self._gap_to_replay(frames):
+                self._start_replay(frames)
+                return
+            self._apply(frames)
+            if self._later(deadline):
+                return
+
+    @staticmethod
+    def _take(conn: ZmtpSubscription) -> list[bytes] | None:
+        """The next message off our reader's buffer, read from its socket if need be; None if none is
+        whole yet, or the connection was lost (and is being made again)."""
+        try:
+            frames = conn.take()
+            if frames is None:
+                if not conn.fill():
+                    conn.lost("end of stream")
+                    return None
+                frames = conn.take()
+        except (ZmtpError, OSError) as exc:
+            conn.lost(str(exc) or type(exc).__name__)
+            return None
+        return frames
+
+    def _start_replay(self, frames: list[bytes]) -> None:
+        """A gap: fetch what is missing before ``frames`` is applied. Our reader's socket is not
+        watched meanwhile (its descriptor is level-triggered); ``_resume`` watches it again."""
+        self._held = frames
+        if self._zmtp is not None:
+            self._unwatch()
+        assert self._loop is not None
+        self._replaying = self._loop.create_task(self._replay_then_go_on(),
+                                                 name=f"kv-events replay {self.mirror.engine}")
+
+    def _resume(self) -> None:
+        """After a replay: watch our reader's socket again and drain what waits."""
+        if self._zmtp is not None and self._zmtp.fd is not None and self._fd is None:
+            self._watch(self._zmtp.fd)
+        if self.running and self._loop is not None:
+            self._again = self._loop.call_soon(self._drain)
+
+    def _drain_socket(self, sock: zmq.Socket[bytes]) -> None:
+        """A libzmq feed."""
         deadline = time.perf_counter() + self.BATCH_S
         while True:
             if self.native_drain and self.last_seq is not None and not self._catching_up:
@@ -275,10 +399,7 @@ class KvEventSubscriber:
                 except zmq.Again:
                     return
             if self._gap_to_replay(frames):
-                self._held = frames
-                assert self._loop is not None
-                self._replaying = self._loop.create_task(self._replay_then_go_on(),
-                                                         name=f"kv-events replay {self.mirror.engine}")
+                self._start_replay(frames)
                 return
             self._apply(frames)
             # ``EVENTS`` rather than receiving until ``zmq.Again``: the exception costs twice as much,
@@ -302,8 +423,7 @@ class KvEventSubscriber:
             log.exception("KV events from %s: start-up replay failed", self.mirror.engine)
         self._catching_up = self.last_seq is not None
         self._replaying = None
-        if self._sock is not None and self._loop is not None:
-            self._again = self._loop.call_soon(self._drain)
+        self._resume()
 
     async def _replay_then_go_on(self) -> None:
         frames = self._held
@@ -312,8 +432,7 @@ class KvEventSubscriber:
         self._held = None
         self._apply(frames)
         self._replaying = None
-        if self._sock is not None and self._loop is not None:
-            self._again = self._loop.call_soon(self._drain)
+        self._resume()
 
     def _gap_to_replay(self, frames: Sequence[bytes]) -> bool:
         last = self.last_seq
@@ -402,8 +521,10 @@ class PreciseIndexSource:
 
     def __init__(self, index: PrefixIndex, model_of: Callable[[str], str], block_size: int, *,
                  topic: str = "", context: zmq.Context[Any] | None = None, bootstrap: bool = False,
-                 tiers: Mapping[str, PrefixIndex] | None = None, gather_s: float = 0.0) -> None:
+                 tiers: Mapping[str, PrefixIndex] | None = None, gather_s: float = 0.0,
+                 reader: str = "zmtp") -> None:
         """``bootstrap``: each feed first replays what its engine still buffers (``KvEventSubscriber``).
+        ``reader``: ``zmtp`` (our own, where the endpoint allows) or ``libzmq`` (``KvEventSubscriber``).
         ``gather_s``: the feeds share one ``Gatherer`` of this interval (0: each wakes for itself).
         ``tiers``: the offload tiers' indexes (``KvEventMirror``); events of other tiers are dropped."""
         self.index = index
@@ -415,6 +536,7 @@ class PreciseIndexSource:
         self.subscribers: dict[str, KvEventSubscriber] = {}
         self.bootstrap = bootstrap
         self.gather_s = gather_s
+        self.reader = reader
         self.gatherer: Gatherer | None = None
 
     async def attach(self, engine_url: str, endpoint: str, model: str | None = None,
@@ -432,7 +554,7 @@ class PreciseIndexSource:
         if self.gatherer is None and self.gather_s > 0 and Gatherer.available():
             self.gatherer = Gatherer(asyncio.get_running_loop(), self.gather_s)
         sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
-                                bootstrap=self.bootstrap, gatherer=self.gatherer)
+                                bootstrap=self.bootstrap, gatherer=self.gatherer, reader=self.reader)
         sub.start()
         self.subscribers[engine_url] = sub
         log.info("precise prefix index: %s ← KV events at %s", engine_url, endpoint)

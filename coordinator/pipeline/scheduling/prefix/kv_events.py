@@ -343,6 +343,21 @@ class KvEventMirror:
             self._count_direct(applied, counts)
         return last, held, more
 
+    def drain_stream(self, fd: int, buffer: bytearray, last_seq: int, max_messages: int
+                     ) -> tuple[int, list[bytes] | None, int]:
+        """Take and apply, in C (``_mirror.drain_stream``), the ZMTP messages at the head of ``buffer``,
+        reading the socket ``fd`` into it as they run out (``zmtp.ZmtpSubscription``), while each
+        continues ``last_seq`` and is the common batch. Returns the last sequence number applied, the
+        message it stopped at (taken, not applied: the caller handles it) and the stream's state
+        (``zmtp.DRAINED``, ``MORE_WAITING``, ``PYTHON``, ``CLOSED``)."""
+        assert self._direct is not None
+        last, applied, counts, held, state = _native.drain_stream(
+            fd, buffer, last_seq, max_messages, self._direct, self.engine, self.block_size, self._root,
+            self.index.now())
+        if applied:
+            self._count_direct(applied, counts)
+        return last, held, state
+
     def _count_direct(self, batches: int, counts: tuple[int, int, int, int, int, int, int, int]) -> None:
         stats = self.stats
         stored, tier_stored, removed, clears, unknown, no_tokens, other, engine_block_size = counts
