@@ -89,7 +89,11 @@ class Gatherer:
     is ready, so a busy fleet costs one wake-up of the loop (and of libzmq's signalling, which only
     signals a reader that emptied its queue) per interval instead of one per published batch; the
     index is then at most ``interval`` behind the engines (docs/scheduling.md, "Gathered wake-ups").
-    Linux only (``select.epoll``); elsewhere each feed watches its own descriptor.
+    While sweeps find news, the next one is simply due ``interval`` later: the loop watches the set
+    again only after a sweep that found none. Watching it again is an ``epoll_ctl`` that adds one epoll
+    set to another, and the kernel then walks the nested set for loops: once per interval that was 9 %
+    of a busy indexer's CPU. Linux only (``select.epoll``); elsewhere each feed watches its own
+    descriptor.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
@@ -127,9 +131,9 @@ class Gatherer:
         self._sweep_at = self._loop.call_later(self.interval, self._sweep)
 
     def _sweep(self) -> None:
-        self._sweep_at = None
         self.sweeps += 1
-        for fd, _ in self._ep.poll(0):
+        ready = self._ep.poll(0)
+        for fd, _ in ready:
             drain = self._drains.get(fd)
             if drain is None:
                 continue
@@ -137,7 +141,11 @@ class Gatherer:
                 drain()
             except Exception:   # one feed's failure must not end the others' wake-ups
                 log.exception("KV events: a feed's drain failed")
-        self._loop.add_reader(self._ep.fileno(), self._woken)
+        if ready:   # busy: the next sweep is due anyway
+            self._sweep_at = self._loop.call_later(self.interval, self._sweep)
+        else:       # quiet: wait for the next news
+            self._sweep_at = None
+            self._loop.add_reader(self._ep.fileno(), self._woken)
 
 
 class KvEventSubscriber:
