@@ -102,9 +102,9 @@ class HandWrittenPub:
             await self._server.wait_closed()
 
 
-def subscriber(port: int, native: bool, index: PrefixIndex | None = None) -> KvEventSubscriber:
-    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", KvEventMirror(index or PrefixIndex(), ENGINE, MODEL, BS),
-                            "kv")
+def subscriber(port: int, native: bool, index: PrefixIndex | None = None,
+               host: str = "127.0.0.1") -> KvEventSubscriber:
+    sub = KvEventSubscriber(f"tcp://{host}:{port}", KvEventMirror(index or PrefixIndex(), ENGINE, MODEL, BS), "kv")
     assert sub.own_reader
     sub.native_drain = native and sub.native_drain
     return sub
@@ -178,11 +178,12 @@ async def test_a_stream_cut_anywhere_applies_as_the_python_reader_applies_it() -
 async def test_a_restarted_publisher_is_found_again(native: bool) -> None:
     """The feed starts before the engine binds (it keeps trying), follows it, and when the engine
     restarts (its PUB socket closed, a new one on the same port, sequence numbers from 0) connects
-    again: the engine's blocks are forgotten and the new ones applied, as with libzmq's SUB."""
+    again: the engine's blocks are forgotten and the new ones applied, as with libzmq's SUB. The
+    endpoint names a host, resolved at each connect."""
     ctx = zmq.asyncio.Context()
     port = free_port()
     index = PrefixIndex()
-    sub = subscriber(port, native, index)
+    sub = subscriber(port, native, index, host="localhost")
     toks, hs = run_of(PROMPT, BS)
     seq = 0
 

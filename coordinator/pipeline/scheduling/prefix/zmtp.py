@@ -19,6 +19,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
@@ -113,7 +114,9 @@ def split_frame(buf: bytearray | bytes, at: int) -> tuple[int, bytes, int] | Non
 
 def address(endpoint: str) -> tuple[int, str | tuple[str, int]] | None:
     """The socket family and address of a ``tcp://host:port`` or ``ipc://path`` endpoint this reader
-    can connect to; None for anything else (libzmq then reads that feed)."""
+    can connect to; None for anything else (libzmq then reads that feed). A host name is resolved at
+    each connect, to IPv4 unless the host is an IPv6 literal, as libzmq does by default: a restarted
+    engine behind the same name is found at its new address."""
     parts = urlsplit(endpoint)
     if parts.scheme == "ipc":
         path = endpoint[len("ipc://"):]
@@ -122,8 +125,7 @@ def address(endpoint: str) -> tuple[int, str | tuple[str, int]] | None:
         return None
     if parts.hostname in ("*", "0.0.0.0", "::"):
         return None
-    family = socket.AF_INET6 if ":" in parts.hostname else socket.AF_INET
-    return family, (parts.hostname, parts.port)
+    return (socket.AF_INET6 if ":" in parts.hostname else socket.AF_INET), (parts.hostname, parts.port)
 
 
 class ZmtpSubscription:
@@ -195,10 +197,11 @@ class ZmtpSubscription:
                     wait=wait_exponential(multiplier=self.RECONNECT_S, max=self.RECONNECT_MAX_S),
                     retry=retry_if_exception_type((OSError, ZmtpError, TimeoutError)), reraise=True):
                 with attempt:
-                    sock = socket.socket(self._family, socket.SOCK_STREAM)
+                    family, where = await self._resolve()
+                    sock = socket.socket(family, socket.SOCK_STREAM)
                     try:
                         async with asyncio.timeout(self.HANDSHAKE_S):
-                            await self._handshake(sock)
+                            await self._handshake(sock, where)
                     except BaseException:
                         sock.close()
                         self.buffer.clear()
@@ -209,12 +212,23 @@ class ZmtpSubscription:
         self.connects += 1
         self._on_up(sock.fileno())
 
-    async def _handshake(self, sock: socket.socket) -> None:
+    async def _resolve(self) -> tuple[int, str | tuple[Any, ...]]:
+        if isinstance(self._address, str):   # a Unix socket's path
+            return self._family, self._address
+        host, port = self._address
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=self._family,
+                                                             type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"{host} resolves to no address")
+        family, _, _, _, sockaddr = infos[0]
+        return family, sockaddr
+
+    async def _handshake(self, sock: socket.socket, where: str | tuple[Any, ...]) -> None:
         loop = asyncio.get_running_loop()
         sock.setblocking(False)
-        if self._family != socket.AF_UNIX:
+        if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await loop.sock_connect(sock, self._address)
+        await loop.sock_connect(sock, where)
         await loop.sock_sendall(sock, GREETING)
         buf = self.buffer
         buf.clear()
