@@ -53,11 +53,22 @@ typedef struct {
     int present;         /* has an LRU list (``engines()``), until cleared */
 } Engine;
 
+/* A node table slot: the node's index (low half; NIL: empty) and the low 32 bits of its key (high
+ * half). Why the key's bits: probing and backward-shift deletion then find a slot's home without
+ * reading its node, which is a cache miss of its own in a pool of millions (the table never has 2**32
+ * slots: ``table_grow`` stops there, so a home is ``tag & mask``). */
+typedef uint64_t Slot;
+#define EMPTY_SLOT UINT64_MAX
+
+static inline uint32_t slot_node(Slot s) { return (uint32_t)s; }
+static inline uint32_t slot_tag(Slot s) { return (uint32_t)(s >> 32); }
+static inline Slot make_slot(uint32_t node, uint64_t key) { return ((uint64_t)(uint32_t)key << 32) | node; }
+
 typedef struct {
     PyObject_HEAD
     Node *nodes;
     uint32_t nodes_cap, nodes_used, free_list;
-    uint32_t *table;     /* node index per slot, NIL: empty */
+    Slot *table;         /* node index and key tag per slot (``Slot``) */
     uint64_t table_mask;
     uint64_t table_used;
     Owner *owners;
@@ -87,11 +98,14 @@ node_key(uint32_t engine, int64_t hash)
 static uint64_t
 node_find_slot(Index *ix, uint32_t engine, int64_t hash)
 {
-    uint64_t i = node_key(engine, hash) & ix->table_mask;
+    uint64_t key = node_key(engine, hash);
+    uint32_t tag = (uint32_t)key;
+    uint64_t i = key & ix->table_mask;
     for (;;) {
-        uint32_t n = ix->table[i];
+        Slot s = ix->table[i];
+        uint32_t n = slot_node(s);
         if (n == NIL) return i;
-        if (ix->nodes[n].hash == hash && ix->nodes[n].engine == engine) return i;
+        if (slot_tag(s) == tag && ix->nodes[n].hash == hash && ix->nodes[n].engine == engine) return i;
         i = (i + 1) & ix->table_mask;
     }
 }
@@ -104,7 +118,7 @@ prefetch_nodes(Index *ix, uint32_t engine, const int64_t *hs, Py_ssize_t n)
 {
     for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&ix->table[node_key(engine, hs[i]) & ix->table_mask]);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t x = ix->table[node_key(engine, hs[i]) & ix->table_mask];
+        uint32_t x = slot_node(ix->table[node_key(engine, hs[i]) & ix->table_mask]);
         if (x != NIL) __builtin_prefetch(&ix->nodes[x]);
     }
 }
@@ -112,27 +126,35 @@ prefetch_nodes(Index *ix, uint32_t engine, const int64_t *hs, Py_ssize_t n)
 static inline uint32_t
 node_get(Index *ix, uint32_t engine, int64_t hash)
 {
-    return ix->table[node_find_slot(ix, engine, hash)];
+    return slot_node(ix->table[node_find_slot(ix, engine, hash)]);
 }
 
 static int
 table_grow(Index *ix)
 {
     uint64_t cap = (ix->table_mask + 1) * 2;
-    uint32_t *old = ix->table;
+    Slot *old = ix->table;
     uint64_t old_cap = ix->table_mask + 1;
-    uint32_t *t = PyMem_Malloc(cap * sizeof(uint32_t));
+    if (cap > ((uint64_t)1 << 32)) {   /* a home is the tag's low bits: ``Slot`` */
+        PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
+        return -1;
+    }
+    Slot *t = PyMem_Malloc(cap * sizeof(Slot));
     if (t == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    memset(t, 0xff, cap * sizeof(uint32_t));
-    ix->table = t;
-    ix->table_mask = cap - 1;
-    for (uint64_t i = 0; i < old_cap; i++) {
-        uint32_t n = old[i];
-        if (n != NIL) ix->table[node_find_slot(ix, ix->nodes[n].engine, ix->nodes[n].hash)] = n;
+    memset(t, 0xff, cap * sizeof(Slot));
+    uint64_t mask = cap - 1;
+    for (uint64_t i = 0; i < old_cap; i++) {   /* keys are distinct: each goes to the first free slot */
+        Slot s = old[i];
+        if (slot_node(s) == NIL) continue;
+        uint64_t j = slot_tag(s) & mask;
+        while (slot_node(t[j]) != NIL) j = (j + 1) & mask;
+        t[j] = s;
     }
+    ix->table = t;
+    ix->table_mask = mask;
     PyMem_Free(old);
     return 0;
 }
@@ -143,16 +165,16 @@ table_delete_slot(Index *ix, uint64_t i)
     /* backward-shift deletion for linear probing */
     uint64_t mask = ix->table_mask;
     uint64_t j = i;
-    ix->table[i] = NIL;
+    ix->table[i] = EMPTY_SLOT;
     for (;;) {
         j = (j + 1) & mask;
-        uint32_t n = ix->table[j];
-        if (n == NIL) break;
-        uint64_t home = node_key(ix->nodes[n].engine, ix->nodes[n].hash) & mask;
-        /* move n into the hole at i if its home is not within (i, j] cyclically */
+        Slot s = ix->table[j];
+        if (slot_node(s) == NIL) break;
+        uint64_t home = slot_tag(s) & mask;
+        /* move the slot into the hole at i if its home is not within (i, j] cyclically */
         if (fills_hole(home, i, j, mask)) {
-            ix->table[i] = n;
-            ix->table[j] = NIL;
+            ix->table[i] = s;
+            ix->table[j] = EMPTY_SLOT;
             i = j;
         }
     }
@@ -370,17 +392,23 @@ make_present(Index *ix, uint32_t e)
 
 /* Drop node ``n`` (held by its engine) and its engine's ownership of the block. */
 static void
-drop_node(Index *ix, uint32_t n)
+drop_node_at(Index *ix, uint32_t n, uint64_t slot)
 {
     Node *x = &ix->nodes[n];
     uint32_t e = x->engine;
     int64_t h = x->hash;
     lru_unlink(ix, n);
-    table_delete_slot(ix, node_find_slot(ix, e, h));
+    table_delete_slot(ix, slot);
     ix->engines[e].count--;
     x->next = ix->free_list;
     ix->free_list = n;
     disown(ix, h, e);
+}
+
+static void
+drop_node(Index *ix, uint32_t n)
+{
+    drop_node_at(ix, n, node_find_slot(ix, ix->nodes[n].engine, ix->nodes[n].hash));
 }
 
 static uint32_t
@@ -437,7 +465,7 @@ Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     ix->nodes = PyMem_Malloc(ix->nodes_cap * sizeof(Node));
     ix->free_list = NIL;
     ix->table_mask = 2047;
-    ix->table = PyMem_Malloc((ix->table_mask + 1) * sizeof(uint32_t));
+    ix->table = PyMem_Malloc((ix->table_mask + 1) * sizeof(Slot));
     ix->owners_mask = 2047;
     ix->owners = PyMem_Calloc(ix->owners_mask + 1, sizeof(Owner));
     ix->engines_cap = 16;
@@ -455,7 +483,7 @@ Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(ix);
         return NULL;
     }
-    memset(ix->table, 0xff, (ix->table_mask + 1) * sizeof(uint32_t));
+    memset(ix->table, 0xff, (ix->table_mask + 1) * sizeof(Slot));
     return (PyObject *)ix;
 }
 
@@ -507,12 +535,12 @@ add_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n, int has_parent
     for (Py_ssize_t i = n - 1; i >= 0; i--) {   /* the tail first */
         int64_t h = hs[i];
         uint64_t slot = node_find_slot(ix, e, h);
-        uint32_t x = ix->table[slot];
+        uint32_t x = slot_node(ix->table[slot]);
         if (x == NIL) {
             x = node_alloc(ix);
             if (x == NIL) return -1;
             ix->nodes[x] = (Node){h, now, e, NIL, NIL, stamp, stamp};
-            ix->table[slot] = x;
+            ix->table[slot] = make_slot(x, node_key(e, h));
             ix->table_used++;
             ix->engines[e].count++;
             lru_append(ix, x);
@@ -597,8 +625,9 @@ remove_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n)
     prefetch_nodes(ix, e, hs, n);
     prefetch_owners(ix, hs, n);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t x = node_get(ix, e, hs[i]);
-        if (x != NIL) drop_node(ix, x);
+        uint64_t slot = node_find_slot(ix, e, hs[i]);
+        uint32_t x = slot_node(ix->table[slot]);
+        if (x != NIL) drop_node_at(ix, x, slot);
     }
 }
 
@@ -857,7 +886,7 @@ static PyObject *
 Index_approx_bytes(Index *ix, PyObject *Py_UNUSED(ignored))
 {
     size_t total = sizeof(Index) + (size_t)ix->nodes_cap * sizeof(Node)
-        + (size_t)(ix->table_mask + 1) * sizeof(uint32_t) + (size_t)(ix->owners_mask + 1) * sizeof(Owner)
+        + (size_t)(ix->table_mask + 1) * sizeof(Slot) + (size_t)(ix->owners_mask + 1) * sizeof(Owner)
         + (size_t)ix->engines_cap * (sizeof(Engine) + 1) + (size_t)ix->scratch_cap * 12
         + (size_t)ix->shared * 4 * sizeof(uint32_t);
     return PyLong_FromSize_t(total);
@@ -931,7 +960,7 @@ Index_copy(Index *ix, PyObject *Py_UNUSED(ignored))
     c->shared = ix->shared;
     c->epoch = ix->epoch;
     c->nodes = copied(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
-    c->table = copied(ix->table, (size_t)(ix->table_mask + 1) * sizeof(uint32_t));
+    c->table = copied(ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
     c->owners = copied(ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
     c->engines = copied(ix->engines, (size_t)ix->engines_cap * sizeof(Engine));
     c->mark = PyMem_Calloc(ix->engines_cap, 1);
