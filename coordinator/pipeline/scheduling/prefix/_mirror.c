@@ -1252,6 +1252,17 @@ zmtp_message(const uint8_t *p, Py_ssize_t size, Py_ssize_t *starts, Py_ssize_t *
     }
 }
 
+/* ``buf[:pos]`` was taken: it leaves the buffer. */
+static int
+drop_taken(PyObject *buf, Py_ssize_t pos)
+{
+    if (pos == 0) return 0;
+    char *b = PyByteArray_AS_STRING(buf);
+    Py_ssize_t len = PyByteArray_GET_SIZE(buf);
+    memmove(b, b + pos, (size_t)(len - pos));
+    return PyByteArray_Resize(buf, len - pos);
+}
+
 /* drain_stream(fd, buffer, last_seq, max_messages, media, engine, block_size, root_seed, now): takes
  * the messages at the head of ``buffer`` (a bytearray: what was received and not yet taken), reading
  * the non-blocking socket ``fd`` into it when they run out, and applies each while it is the next in
@@ -1305,14 +1316,11 @@ drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         }
         if (took == 0) {   /* incomplete: read more, once the last read left the socket dry no more */
             if (dry) break;
-            char *room_at = PyByteArray_AS_STRING(buf);
-            if (pos) {
-                memmove(room_at, room_at + pos, (size_t)(len - pos));
-                len -= pos;
-                pos = 0;
-            }
+            if (drop_taken(buf, pos) < 0) goto fail;
+            len -= pos;
+            pos = 0;
             if (PyByteArray_Resize(buf, len + ZMTP_CHUNK) < 0) goto fail;
-            room_at = PyByteArray_AS_STRING(buf);
+            char *room_at = PyByteArray_AS_STRING(buf);
             ssize_t got;
             do {
                 got = recv((int)fd, room_at + len, ZMTP_CHUNK, MSG_DONTWAIT);
@@ -1353,23 +1361,15 @@ drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         state = STREAM_MORE;
         break;
     }
-    if (pos) {   /* what was taken leaves the buffer */
-        char *b = PyByteArray_AS_STRING(buf);
-        Py_ssize_t len = PyByteArray_GET_SIZE(buf);
-        memmove(b, b + pos, (size_t)(len - pos));
-        if (PyByteArray_Resize(buf, len - pos) < 0) goto fail_taken;
-    }
+    if (drop_taken(buf, pos) < 0) goto fail_taken;
     PyObject *counts = counts_tuple(&c);
     if (counts == NULL) goto fail_taken;
     return Py_BuildValue("(LnNNi)", last, applied, counts, held, state);
 fail:
-    if (pos) {
-        char *b = PyByteArray_AS_STRING(buf);
-        Py_ssize_t len = PyByteArray_GET_SIZE(buf);
-        memmove(b, b + pos, (size_t)(len - pos));
+    if (pos) {   /* what was taken (applied) leaves the buffer even so */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (PyByteArray_Resize(buf, len - pos) < 0) PyErr_Clear();
+        if (drop_taken(buf, pos) < 0) PyErr_Clear();
         PyErr_Restore(type, value, tb);
     }
 fail_taken:
