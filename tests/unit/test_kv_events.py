@@ -591,9 +591,9 @@ async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) 
     same indexes and translations and count the same gaps, restarts and bad messages."""
     from dataclasses import replace
 
-    from coordinator.pipeline.scheduling.prefix import feeds
+    from coordinator.pipeline.scheduling.prefix import libzmq_receive
 
-    assert feeds.NATIVE_DRAIN, "the native drain is off (no _mirror extension, or libzmq not found)"
+    assert libzmq_receive.NATIVE_DRAIN, "the native drain is off (no _mirror extension, or libzmq not found)"
     ctx = zmq.asyncio.Context()
     port = free_port()
     pub = ctx.socket(zmq.PUB)
@@ -692,9 +692,9 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: s
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """If the C drain raises (out of memory, a libzmq error), the feed logs it, receives in Python from
     then on, and the batches keep reaching the index."""
-    from coordinator.pipeline.scheduling.prefix import feeds
+    from coordinator.pipeline.scheduling.prefix import libzmq_receive
 
-    assert feeds.NATIVE_DRAIN
+    assert libzmq_receive.NATIVE_DRAIN
     ctx = zmq.asyncio.Context()
     port = free_port()
     pub = ctx.socket(zmq.PUB)
@@ -735,7 +735,7 @@ async def test_gathered_feeds_apply_every_batch_with_one_wake_up_per_interval(re
     """With ``gather_s`` the feeds share one ``Gatherer``: the first batch wakes it, the next sweep
     drains every feed with news. Eight engines' batches all reach the index, in far fewer sweeps than
     batches (sent a few milliseconds apart, each would wake a feed of its own); a detached feed is no longer drained; ``stop_all`` closes the gatherer."""
-    from coordinator.pipeline.scheduling.prefix.feeds import Gatherer
+    from coordinator.pipeline.scheduling.prefix.gather import Gatherer
 
     assert Gatherer.available()
     index = PrefixIndex()

@@ -1040,8 +1040,8 @@ apply_batch(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
 
 /* Why receive here: with a batch applied in one call, pyzmq's receive (three frame objects and their
  * bytes per message) and the loop around it were a fifth of the intake's CPU. libzmq is the one pyzmq
- * loaded (feeds.py finds its functions); nothing is linked at build time, and without it the feed
- * receives in Python as before. */
+ * loaded (libzmq_receive.py finds its functions); nothing is linked at build time, and without it
+ * the feed receives in Python as before. */
 
 typedef struct {
     uint64_t _[8];   /* libzmq's zmq_msg_t: 64 opaque bytes since 4.0 */
@@ -1090,8 +1090,8 @@ close_frames(ZmqMsg *frames, int n)
     for (int i = 0; i < n; i++) zmq_fns.msg_close(&frames[i]);
 }
 
-/* One message, framed as feeds._receive frames it: three frames whatever their ``more`` flags (fewer
- * if the socket runs dry), then the rest while the last says more. Returns the frame count (0: none
+/* One message, framed as libzmq_receive.receive frames it: three frames whatever their ``more`` flags
+ * (fewer if the socket runs dry), then the rest while the last says more. Returns the frame count (0: none
  * waiting), or -1 with an exception. */
 static int
 receive(void *sock, ZmqMsg *frames, int *extra)

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import select
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -20,133 +17,17 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from coordinator.pipeline.scheduling.prefix import kv_events, zmtp
+from coordinator.pipeline.scheduling.prefix import zmtp
+from coordinator.pipeline.scheduling.prefix.gather import Gatherer
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+from coordinator.pipeline.scheduling.prefix.libzmq_receive import NATIVE_DRAIN, more_waiting, receive
 from coordinator.pipeline.scheduling.prefix.zmtp import ZmtpError, ZmtpSubscription
 
 log = logging.getLogger(__name__)
 
 
-# --- ZMQ subscriber ------------------------------------------------------------------------------
-
-# pyzmq's ``Socket.get`` wraps ``EVENTS`` in an enum and ``recv_multipart`` asks ``RCVMORE`` after every
-# frame; at 256 engines (2,560 messages a second) those wrappers cost more than decoding the batches.
-# The backend's own ``get`` skips the first (docs/scheduling.md, "The pod's KV index").
-_get = zmq.backend.Socket.get
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-
-
-_LIBZMQ_FUNCTIONS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more",
-                     "zmq_msg_close", "zmq_getsockopt", "zmq_errno")
-
-
-def _bind_native_drain() -> bool:
-    """Hand ``_mirror.drain`` the functions of the libzmq that pyzmq's backend uses, so that it receives
-    without pyzmq's objects. Looked up through the backend's own extension module: a symbol is searched
-    in that module and the libraries it links, so this is the libzmq its sockets belong to even if
-    another one is loaded (pyzmq's wheels bundle their own). False (the feeds receive in Python)
-    without the extension, for a libzmq outside 4.2-4.x (``zmq_msg_t``'s size), or for a backend that
-    does not expose them (CFFI, a static build)."""
-    if not kv_events.NATIVE_MIRROR or not (4, 2) <= zmq.zmq_version_info() < (5, 0):
-        return False
-    try:
-        lib = ctypes.CDLL(sys.modules[zmq.backend.Socket.__module__].__file__ or "")
-        return kv_events.bind_libzmq([ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
-                                      for name in _LIBZMQ_FUNCTIONS])
-    except (OSError, KeyError, AttributeError, TypeError, ValueError):
-        return False
-
-
-NATIVE_DRAIN = _bind_native_drain()
-"""Whether feeds receive and apply their batches in C (``_mirror.drain``), Python handling the rest."""
-
-
-def _receive(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """One message, read as vLLM sends it (three frames: topic, sequence number, payload), asking
-    whether more follow only after the third. A message of more frames is read whole (``handle``
-    counts it as bad); one of fewer takes the next message's first frames with it, and the check
-    realigns on the message after (both are counted, and the sequence check sees the loss)."""
-    frames = [sock.recv(_NOBLOCK)]   # ``zmq.Again``: nothing is waiting
-    try:
-        frames.append(sock.recv(_NOBLOCK))
-        last = sock.recv(_NOBLOCK, copy=False)
-    except zmq.Again:   # a message of fewer frames, and nothing after it
-        return frames
-    frames.append(last.bytes)
-    more = last.more
-    while more:
-        last = sock.recv(_NOBLOCK, copy=False)
-        frames.append(last.bytes)
-        more = last.more
-    return frames
-
-
-class Gatherer:
-    """The feeds' ZMQ descriptors in an epoll set of our own, which the event loop watches as one.
-
-    Woken by the first feed with news, it waits ``interval`` seconds and then drains every feed that
-    is ready, so a busy fleet costs one wake-up of the loop (and of libzmq's signalling, which only
-    signals a reader that emptied its queue) per interval instead of one per published batch; the
-    index is then at most ``interval`` behind the engines (docs/scheduling.md, "Gathered wake-ups").
-    While sweeps find news, the next one is simply due ``interval`` later: the loop watches the set
-    again only after a sweep that found none. Watching it again is an ``epoll_ctl`` that adds one epoll
-    set to another, and the kernel then walks the nested set for loops: once per interval that was 9 %
-    of a busy indexer's CPU. Linux only (``select.epoll``); elsewhere each feed watches its own
-    descriptor.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
-        self.interval = interval
-        self.sweeps = 0
-        self._loop = loop
-        self._ep = select.epoll()
-        self._drains: dict[int, Callable[[], None]] = {}
-        self._sweep_at: asyncio.TimerHandle | None = None
-        self._loop.add_reader(self._ep.fileno(), self._woken)
-
-    @classmethod
-    def available(cls) -> bool:
-        return hasattr(select, "epoll")
-
-    def add(self, fd: int, drain: Callable[[], None]) -> None:
-        self._ep.register(fd, select.EPOLLIN)
-        self._drains[fd] = drain
-
-    def remove(self, fd: int) -> None:
-        if self._drains.pop(fd, None) is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(fd)
-
-    def close(self) -> None:
-        if self._sweep_at is not None:
-            self._sweep_at.cancel()
-        else:
-            self._loop.remove_reader(self._ep.fileno())
-        self._ep.close()
-        self._drains.clear()
-
-    def _woken(self) -> None:
-        self._loop.remove_reader(self._ep.fileno())
-        self._sweep_at = self._loop.call_later(self.interval, self._sweep)
-
-    def _sweep(self) -> None:
-        self.sweeps += 1
-        ready = self._ep.poll(0)
-        for fd, _ in ready:
-            drain = self._drains.get(fd)
-            if drain is None:
-                continue
-            try:
-                drain()
-            except Exception:   # one feed's failure must not end the others' wake-ups
-                log.exception("KV events: a feed's drain failed")
-        if ready:   # busy: the next sweep is due anyway
-            self._sweep_at = self._loop.call_later(self.interval, self._sweep)
-        else:       # quiet: wait for the next news
-            self._sweep_at = None
-            self._loop.add_reader(self._ep.fileno(), self._woken)
-
+# --- one engine's feed ------------------------------------------------------------------------
 
 class KvEventSubscriber:
     """SUB socket on one engine's publisher, applying every batch to ``mirror``.
@@ -403,16 +284,14 @@ class KvEventSubscriber:
                 frames = held
             else:
                 try:
-                    frames = _receive(sock)   # woken for a message, almost always: no readiness check first
+                    frames = receive(sock)   # woken for a message, almost always: no readiness check first
                 except zmq.Again:
                     return
             if self._gap_to_replay(frames):
                 self._start_replay(frames)
                 return
             self._apply(frames)
-            # ``EVENTS`` rather than receiving until ``zmq.Again``: the exception costs twice as much,
-            # and reading ``EVENTS`` re-arms ZMQ's edge-triggered descriptor.
-            if not cast(int, _get(sock, _EVENTS)) & _POLLIN or self._later(deadline):
+            if not more_waiting(sock) or self._later(deadline):
                 return
 
     def _later(self, deadline: float) -> bool:

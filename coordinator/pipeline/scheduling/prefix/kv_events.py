@@ -51,7 +51,8 @@ NATIVE_MIRROR = _native is not None
 
 
 def bind_libzmq(addresses: Sequence[int]) -> bool:
-    """Give ``KvEventMirror.drain`` libzmq's functions (feeds.py finds them); False without ``_mirror``."""
+    """Give ``KvEventMirror.drain`` libzmq's functions (``libzmq_receive`` finds them); False without
+    ``_mirror``."""
     if _native is None:
         return False
     _native.bind_zmq(*addresses)
