@@ -123,13 +123,21 @@ class Pod:
             return None
 
     async def ready(self, ok: bool, body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-        """Ready when every worker is: this worker's body with each worker's readiness added."""
+        """Ready when every worker is: this worker's body with each worker's readiness added.
+
+        The pod drains when any worker does. The supervisor passes SIGTERM on to each worker in turn, so
+        for a moment the worker that answers may not have its signal yet while a sibling already drains;
+        a load balancer reading ``draining`` must still learn that the pod is going away."""
         answers = await asyncio.gather(*(self._ask(i, "/ready") for i in self.siblings))
         workers = {self.index: ok}
+        draining = bool(body.get("draining"))
         for i, r in zip(self.siblings, answers, strict=True):
-            workers[i] = r is not None and r.status_code == 200 and bool(_json(r).get("ready"))
+            said = _json(r) if r is not None else {}
+            workers[i] = r is not None and r.status_code == 200 and bool(said.get("ready"))
+            draining = draining or said.get("draining") is True
         pod_ok = all(workers.values())
-        return pod_ok, {**body, "ready": pod_ok, "workers": {str(i): workers[i] for i in sorted(workers)}}
+        return pod_ok, {**body, "ready": pod_ok, "draining": draining,
+                        "workers": {str(i): workers[i] for i in sorted(workers)}}
 
     async def metrics(self, own: bytes) -> bytes:
         answers = await asyncio.gather(*(self._ask(i, "/metrics") for i in self.siblings))
