@@ -139,7 +139,7 @@ table_grow(Index *ix)
         PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
         return -1;
     }
-    Slot *t = PyMem_Malloc(cap * sizeof(Slot));
+    Slot *t = big_calloc(cap * sizeof(Slot));
     if (t == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -155,7 +155,7 @@ table_grow(Index *ix)
     }
     ix->table = t;
     ix->table_mask = mask;
-    PyMem_Free(old);
+    big_free(old, old_cap * sizeof(Slot));
     return 0;
 }
 
@@ -195,7 +195,7 @@ node_alloc(Index *ix)
             PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
             return NIL;
         }
-        Node *more = PyMem_Realloc(ix->nodes, cap * sizeof(Node));
+        Node *more = big_realloc(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node), cap * sizeof(Node));
         if (more == NULL) {
             PyErr_NoMemory();
             return NIL;
@@ -257,7 +257,7 @@ owners_grow(Index *ix)
 {
     uint64_t old_cap = ix->owners_mask + 1, cap = old_cap * 2;
     Owner *old = ix->owners;
-    Owner *t = PyMem_Calloc(cap, sizeof(Owner));
+    Owner *t = big_calloc(cap * sizeof(Owner));
     if (t == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -266,7 +266,7 @@ owners_grow(Index *ix)
     ix->owners_mask = cap - 1;
     for (uint64_t i = 0; i < old_cap; i++)
         if (old[i].count) ix->owners[owner_find_slot(ix, old[i].hash)] = old[i];
-    PyMem_Free(old);
+    big_free(old, old_cap * sizeof(Owner));
     return 0;
 }
 
@@ -439,9 +439,9 @@ Index_dealloc(Index *ix)
 {
     if (ix->owners != NULL)
         for (uint64_t i = 0; i <= ix->owners_mask; i++) PyMem_Free(ix->owners[i].more);
-    PyMem_Free(ix->owners);
-    PyMem_Free(ix->nodes);
-    PyMem_Free(ix->table);
+    big_free(ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    big_free(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
+    big_free(ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
     PyMem_Free(ix->engines);
     PyMem_Free(ix->mark);
     PyMem_Free(ix->scratch);
@@ -462,12 +462,12 @@ Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Index *ix = (Index *)type->tp_alloc(type, 0);
     if (ix == NULL) return NULL;
     ix->nodes_cap = 1024;
-    ix->nodes = PyMem_Malloc(ix->nodes_cap * sizeof(Node));
+    ix->nodes = big_calloc(ix->nodes_cap * sizeof(Node));
     ix->free_list = NIL;
     ix->table_mask = 2047;
-    ix->table = PyMem_Malloc((ix->table_mask + 1) * sizeof(Slot));
+    ix->table = big_calloc((ix->table_mask + 1) * sizeof(Slot));
     ix->owners_mask = 2047;
-    ix->owners = PyMem_Calloc(ix->owners_mask + 1, sizeof(Owner));
+    ix->owners = big_calloc((ix->owners_mask + 1) * sizeof(Owner));
     ix->engines_cap = 16;
     ix->engines = PyMem_Malloc(ix->engines_cap * sizeof(Engine));
     ix->mark = PyMem_Calloc(ix->engines_cap, 1);
@@ -959,9 +959,12 @@ Index_copy(Index *ix, PyObject *Py_UNUSED(ignored))
     c->engines_n = ix->engines_n;
     c->shared = ix->shared;
     c->epoch = ix->epoch;
-    c->nodes = copied(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
-    c->table = copied(ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
-    c->owners = copied(ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    c->nodes = big_realloc(NULL, 0, (size_t)ix->nodes_cap * sizeof(Node));
+    c->table = big_realloc(NULL, 0, (size_t)(ix->table_mask + 1) * sizeof(Slot));
+    c->owners = big_realloc(NULL, 0, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    if (c->nodes != NULL) memcpy(c->nodes, ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
+    if (c->table != NULL) memcpy(c->table, ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
+    if (c->owners != NULL) memcpy(c->owners, ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
     c->engines = copied(ix->engines, (size_t)ix->engines_cap * sizeof(Engine));
     c->mark = PyMem_Calloc(ix->engines_cap, 1);
     if (c->owners != NULL)   /* its records must not share the lists of shared blocks */

@@ -4,6 +4,9 @@
 #define PREFIX_TABLES_H
 
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 
 /* splitmix64's finaliser: our hashes are random already, but vLLM's ints and tests' need not be. */
 static inline uint64_t
@@ -23,6 +26,45 @@ static inline int
 fills_hole(uint64_t home, uint64_t i, uint64_t j, uint64_t mask)
 {
     return ((j - home) & mask) >= ((j - i) & mask);
+}
+
+/* Tables of many megabytes, zeroed, on transparent huge pages where the kernel has them. Why: every
+ * probe into a table far larger than the caches is a cache miss, and on 4 KiB pages a TLB miss too, a
+ * page walk of its own (two nested ones in a VM); 2 MiB pages cover a whole index with a few dozen TLB
+ * entries. Kernels default to huge pages only where asked (``transparent_hugepage=madvise``), hence
+ * the ``madvise``. Smaller tables stay on the heap (a huge page each would waste memory). Free with
+ * ``big_free`` and the same size. */
+#define BIG_TABLE_BYTES ((size_t)2 << 20)
+
+static inline void *
+big_calloc(size_t size)
+{
+    if (size < BIG_TABLE_BYTES) return calloc(1, size ? size : 1);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, size, MADV_HUGEPAGE);   /* advice: without huge pages the table still works */
+#endif
+    return p;
+}
+
+static inline void
+big_free(void *p, size_t size)
+{
+    if (p == NULL) return;
+    if (size < BIG_TABLE_BYTES) free(p);
+    else munmap(p, size);
+}
+
+/* ``old`` bytes of ``p`` carried into a table of ``size`` bytes (the rest zeroed); NULL leaves ``p``. */
+static inline void *
+big_realloc(void *p, size_t old, size_t size)
+{
+    void *q = big_calloc(size);
+    if (q == NULL) return NULL;
+    if (p != NULL) memcpy(q, p, old < size ? old : size);
+    big_free(p, old);
+    return q;
 }
 
 #endif
