@@ -527,8 +527,8 @@ static int
 add_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n, int has_parent, int64_t parent, double now)
 {
     if (reserve(ix, n) < 0 || make_present(ix, e) < 0) return -1;
+    prefetch_owners(ix, hs, n);   /* first: they need nothing loaded, so they overlap the nodes' two steps */
     prefetch_nodes(ix, e, hs, n);
-    prefetch_owners(ix, hs, n);
     uint32_t *at = ix->scratch;
     uint32_t stamp = next_epoch(ix);
     Py_ssize_t created = 0;
@@ -622,8 +622,8 @@ static void
 remove_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n)
 {
     if (e == NIL || !ix->engines[e].count) return;
-    prefetch_nodes(ix, e, hs, n);
     prefetch_owners(ix, hs, n);
+    prefetch_nodes(ix, e, hs, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t slot = node_find_slot(ix, e, hs[i]);
         uint32_t x = slot_node(ix->table[slot]);
