@@ -54,7 +54,7 @@ from coordinator.pipeline.responses.store import open_store
 from coordinator.pipeline.responses.translate import ResponsesTranslator
 from coordinator.pipeline.responses.truncation import Measure
 from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
-from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.index import configured_index
 from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
 from coordinator.pipeline.service import Pipeline
@@ -233,16 +233,15 @@ def build_components(settings: Settings, metrics_registry: CollectorRegistry | N
     elif prefix.source == "approximate":
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=True, defer=soon,
-                              index=PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s))
+                              index=configured_index(prefix, ttl_s=prefix.ttl_s))
     elif prefix.source == "precise":
         # Fed by the engines' KV events (the capacity only bounds what lost events could leave behind);
         # routing feeds only the pending layer.
-        index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
-        tiers = {tier: PrefixIndex(capacity_blocks=prefix.capacity_blocks) for tier in prefix.tiers}
+        index = configured_index(prefix)
+        tiers = {tier: configured_index(prefix) for tier in prefix.tiers}
         scheduler = Scheduler(registry, profile, block_size=prefix.block_size, topology=settings.topology,
                               metrics=metrics, learn=False, index=index, defer=soon,
-                              pending=PrefixIndex(capacity_blocks=prefix.capacity_blocks,
-                                                  ttl_s=prefix.pending_ttl_s),
+                              pending=configured_index(prefix, ttl_s=prefix.pending_ttl_s),
                               tiers=tiers, tier_weights=prefix.tiers)
         precise = PreciseIndexSource(index, lambda url: _engine_model(settings, registry, url),
                                      prefix.block_size, tiers=tiers, gather_s=prefix.gather_ms / 1000,

@@ -34,15 +34,14 @@ from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, 
 _DEFAULTS = PrefixIndexSettings()
 
 
-def _indexer(address: str, conn: Connection, gather_ms: float, reader: FeedReader) -> None:
+def _indexer(address: str, conn: Connection, gather_ms: float, reader: FeedReader, huge_pages: bool) -> None:
     """Child: the pod's indexer process, precise source, its feeds gathered every ``gather_ms`` and read
-    by ``reader``."""
+    by ``reader``, its tables on huge pages or not."""
     from coordinator.indexer.process import serve
 
     os.environ.pop("COORD_CONFIG", None)
-    settings = Settings(scheduling=SchedulingSettings(prefix=PrefixIndexSettings(source="precise",
-                                                                                 gather_ms=gather_ms,
-                                                                                 reader=reader)))
+    prefix = PrefixIndexSettings(source="precise", gather_ms=gather_ms, reader=reader, huge_pages=huge_pages)
+    settings = Settings(scheduling=SchedulingSettings(prefix=prefix))
     asyncio.run(serve(settings, [address], started=conn.send))
 
 
@@ -103,26 +102,28 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
 def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                   batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
                   say: Say, pure_python: bool = False, rounds: int = 2,
-                  gather_ms: float = _DEFAULTS.gather_ms, reader: FeedReader = _DEFAULTS.reader
-                  ) -> dict[str, Any]:
+                  gather_ms: float = _DEFAULTS.gather_ms, reader: FeedReader = _DEFAULTS.reader,
+                  huge_pages: bool = _DEFAULTS.huge_pages) -> dict[str, Any]:
     """Decisions of ``workers`` processes while ``engines`` publishers stream KV events into the pod's
     indexer; idle and busy in turn, ``rounds`` busy phases of ``decisions / rounds`` decisions each.
     ``pure_python``: the pod's processes run without the C extensions (``LLMC_PURE_PYTHON=1``, the
-    baseline). ``gather_ms``, ``reader``: the indexer's ``scheduling.prefix`` settings of those names."""
+    baseline). ``gather_ms``, ``reader``, ``huge_pages``: the indexer's ``scheduling.prefix`` settings of
+    those names."""
     if pure_python:
         os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
     try:
         return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
                               interval_s=interval_s, batches_per_s=batches_per_s,
                               blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say,
-                              rounds=rounds, gather_ms=gather_ms, reader=reader)
+                              rounds=rounds, gather_ms=gather_ms, reader=reader, huge_pages=huge_pages)
     finally:
         os.environ.pop("LLMC_PURE_PYTHON", None)
 
 
 def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                    batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                   say: Say, rounds: int, gather_ms: float, reader: FeedReader) -> dict[str, Any]:
+                   say: Say, rounds: int, gather_ms: float, reader: FeedReader, huge_pages: bool
+                   ) -> dict[str, Any]:
     decisions = max(10, decisions // rounds)   # per phase
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
@@ -133,7 +134,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
     publisher.start()
     endpoints: list[str] = pub_parent.recv()
     ix_parent, ix_child = ctx.Pipe()
-    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms, reader), daemon=True)
+    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms, reader, huge_pages),
+                          daemon=True)
     indexer.start()
     ix_parent.recv()
     links, procs = [], []
@@ -189,7 +191,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
             f"busy in turn ({rounds} busy phases, each between two idle ones), feeds gathered every "
-            f"{gather_ms:g} ms, read by {reader}")
+            f"{gather_ms:g} ms, read by {reader}, tables on {'huge' if huge_pages else '4 KiB'} pages")
         # Every engine's cache full first, so that each measured batch evicts as much as it stores.
         pub_parent.send("fill")
         published = pub_parent.recv()
@@ -219,6 +221,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         final = status(address)
         offered = engines * batches_per_s * blocks_per_batch
         return {"engines": engines, "workers": workers, "gather_ms": gather_ms, "reader": reader,
+                "huge_pages": huge_pages,
                 "prompt_tokens": tokens,
                 "decisions": decisions,
                 "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),

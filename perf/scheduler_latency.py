@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     pure = pod_run(1, pure_python=True)
     woken = pod_run(1, gather_ms=0.0)   # the baseline of gathered wake-ups: a wake-up per batch
     libzmq = pod_run(1, reader="libzmq")   # the baseline of our own ZMTP reader: libzmq's SUB sockets
+    small_pages = pod_run(1, huge_pages=False)   # the baseline of huge pages: the tables on 4 KiB pages
     one, many = pod["1"], pod[str(args.intake_workers)]
     pod_targets = {
         "lateness_p99": one["busy_lateness_p99_ms"] <= INTAKE_LATENESS_P99_MS
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         "intake_pod_libzmq": libzmq,
         "intake_own_reader_vs_libzmq_ratio": round(one["intake_cpu_us_per_block"]
                                                    / max(0.01, libzmq["intake_cpu_us_per_block"]), 2),
+        "intake_pod_small_pages": small_pages,
+        "intake_huge_vs_small_pages_ratio": round(one["intake_cpu_us_per_block"]
+                                                  / max(0.01, small_pages["intake_cpu_us_per_block"]), 2),
         "scale_target": {"p50_ms": SCALE_P50_MS, "p99_ms": SCALE_P99_MS},
         "scale_target_met": (scale["parts"]["decision"]["p50_ms"] <= SCALE_P50_MS
                              and scale["parts"]["decision"]["p99_ms"] <= SCALE_P99_MS),
@@ -374,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
                 "pod_intake_gathered_vs_per_batch_ratio": figures["intake_gathered_vs_per_batch_ratio"],
                 "pod_intake_libzmq_cpu_us_per_block": libzmq["intake_cpu_us_per_block"],
                 "pod_intake_own_reader_vs_libzmq_ratio": figures["intake_own_reader_vs_libzmq_ratio"],
+                "pod_intake_small_pages_cpu_us_per_block": small_pages["intake_cpu_us_per_block"],
+                "pod_intake_huge_vs_small_pages_ratio": figures["intake_huge_vs_small_pages_ratio"],
                 "pod_intake_targets": pod_targets})
 
 
@@ -469,7 +475,9 @@ def _pod_markdown(f: dict[str, Any]) -> str:
              ("pod indexer process, pure Python (baseline)", "1", f["intake_pod_pure_python"]),
              ("pod indexer process, a wake-up per batch (baseline, `gather_ms: 0`)", "1", woken),
              ("pod indexer process, feeds read by libzmq (baseline, `reader: libzmq`)", "1",
-              f["intake_pod_libzmq"])]
+              f["intake_pod_libzmq"]),
+             ("pod indexer process, tables on 4 KiB pages (baseline, `huge_pages: false`)", "1",
+              f["intake_pod_small_pages"])]
     for where, n, r in named:
         b = r["busy"]
         rows.append(f"| {where} | {n} | {b['decision']['p50_ms']:.3f} / "
@@ -499,7 +507,9 @@ def _pod_markdown(f: dict[str, Any]) -> str:
             f"{f['intake_gathered_vs_per_batch_ratio']}x "
             "its cost with a wake-up per batch, and with the feeds read by our own ZMTP reader "
             f"(`scheduling.prefix.reader: zmtp`) {f['intake_own_reader_vs_libzmq_ratio']}x its cost with "
-            "libzmq's SUB sockets, all measured in this run. The engines publish out of step, "
+            "libzmq's SUB sockets, and with the index's tables on transparent huge pages "
+            f"(`scheduling.prefix.huge_pages`) {f['intake_huge_vs_small_pages_ratio']}x its cost on 4 KiB "
+            "pages, all measured in this run. The engines publish out of step, "
             "each at its own phase of the period, as a real fleet does.")
 
 

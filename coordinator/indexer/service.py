@@ -22,7 +22,7 @@ from coordinator.contracts.indexer import (
     Status,
 )
 from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
-from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.index import configured_index
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
 
 
@@ -42,16 +42,16 @@ class IndexService:
         self.started_at = time.time()
         self.feeds: PreciseIndexSource | None = None
         if prefix.source == "precise":
-            self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks)
-            pending = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.pending_ttl_s)
-            tiers = {tier: PrefixIndex(capacity_blocks=prefix.capacity_blocks) for tier in prefix.tiers}
+            self.index = configured_index(prefix)
+            pending = configured_index(prefix, ttl_s=prefix.pending_ttl_s)
+            tiers = {tier: configured_index(prefix) for tier in prefix.tiers}
             self.memory = PrefixMemory(self.index, pending, learn=False, tiers=tiers)
             # A fresh indexer (a restart) first replays what each engine still buffers.
             self.feeds = PreciseIndexSource(self.index, self._model_of, prefix.block_size, bootstrap=True,
                                             tiers=tiers, gather_s=prefix.gather_ms / 1000,
                                             reader=prefix.reader)
         else:
-            self.index = PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=prefix.ttl_s)
+            self.index = configured_index(prefix, ttl_s=prefix.ttl_s)
             self.memory = PrefixMemory(self.index, None, learn=True)
         self._models: dict[str, str] = {}
         # engine → the connections (workers, replicas) that asked for its feed: one worker's detach

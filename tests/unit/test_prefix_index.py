@@ -280,3 +280,39 @@ def test_the_native_index_holds_exactly_what_the_python_form_holds(ttl: int | No
     for e in engines:
         clone.clear(e)
     assert c.state() == before and clone.engines() == []
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "none"
+
+
+@pytest.mark.skipif(not PrefixIndex().native, reason="the C index is not built")
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="the kernel gives no transparent huge pages")
+def test_the_index_tables_sit_on_huge_pages_unless_told_not_to() -> None:
+    """``scheduling.prefix.huge_pages``: an index of 400k blocks (tens of MiB of tables) is backed by
+    transparent huge pages (the process's ``AnonHugePages`` grows by most of its tables); with
+    ``huge_pages=False``, on a kernel that gives them only where asked (``madvise``), it is not."""
+    code = ("import sys\n"
+            "from coordinator.pipeline.scheduling.prefix.index import PrefixIndex\n"
+            "def huge():\n"
+            "    for line in open('/proc/self/smaps_rollup'):\n"
+            "        if line.startswith('AnonHugePages:'): return int(line.split()[1]) // 1024\n"
+            "before = huge()\n"
+            "ix = PrefixIndex(huge_pages=sys.argv[1] == '1')\n"
+            "for e in range(8):\n"
+            "    for k in range(0, 50_000, 1000):\n"
+            "        ix.add(f'e{e}', list(range(e * 10**9 + k, e * 10**9 + k + 1000)))\n"
+            "print(huge() - before)\n")
+
+    def grown_mib(huge_pages: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", code, "1" if huge_pages else "0"], capture_output=True,
+                             text=True, check=True, timeout=300)
+        return int(out.stdout.split()[-1])
+
+    assert grown_mib(True) >= 16   # of ~44 MiB of tables (nodes 16, slots 8, owners 24; 2 MiB pages)
+    if _thp_mode() == "madvise":
+        assert grown_mib(False) < 4

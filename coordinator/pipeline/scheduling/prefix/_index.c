@@ -81,6 +81,7 @@ typedef struct {
     PyObject *order;     /* dict: present engines in the order they came (``engines()``) */
     long shared;         /* blocks with several owners */
     uint32_t epoch;      /* the current ``add`` call */
+    int huge;            /* big tables on transparent huge pages (``big_calloc``) */
     uint8_t *mark;       /* scratch for ``match``: one byte per engine id */
     uint32_t *scratch;   /* scratch for ``add``: node per position */
     int64_t *hscratch;   /* scratch for ``add`` and ``remove``: the hashes, converted before any change */
@@ -139,7 +140,7 @@ table_grow(Index *ix)
         PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
         return -1;
     }
-    Slot *t = big_calloc(cap * sizeof(Slot));
+    Slot *t = big_calloc(cap * sizeof(Slot), ix->huge);
     if (t == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -195,7 +196,8 @@ node_alloc(Index *ix)
             PyErr_SetString(PyExc_MemoryError, "the prefix index is full");
             return NIL;
         }
-        Node *more = big_realloc(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node), cap * sizeof(Node));
+        Node *more = big_realloc(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node), cap * sizeof(Node),
+                                 ix->huge);
         if (more == NULL) {
             PyErr_NoMemory();
             return NIL;
@@ -257,7 +259,7 @@ owners_grow(Index *ix)
 {
     uint64_t old_cap = ix->owners_mask + 1, cap = old_cap * 2;
     Owner *old = ix->owners;
-    Owner *t = big_calloc(cap * sizeof(Owner));
+    Owner *t = big_calloc(cap * sizeof(Owner), ix->huge);
     if (t == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -455,19 +457,19 @@ Index_dealloc(Index *ix)
 static PyObject *
 Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "Index() takes no arguments");
-        return NULL;
-    }
+    static char *kwlist[] = {"huge_pages", NULL};
+    int huge = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:Index", kwlist, &huge)) return NULL;
     Index *ix = (Index *)type->tp_alloc(type, 0);
     if (ix == NULL) return NULL;
+    ix->huge = huge;
     ix->nodes_cap = 1024;
-    ix->nodes = big_calloc(ix->nodes_cap * sizeof(Node));
+    ix->nodes = big_calloc(ix->nodes_cap * sizeof(Node), ix->huge);
     ix->free_list = NIL;
     ix->table_mask = 2047;
-    ix->table = big_calloc((ix->table_mask + 1) * sizeof(Slot));
+    ix->table = big_calloc((ix->table_mask + 1) * sizeof(Slot), ix->huge);
     ix->owners_mask = 2047;
-    ix->owners = big_calloc((ix->owners_mask + 1) * sizeof(Owner));
+    ix->owners = big_calloc((ix->owners_mask + 1) * sizeof(Owner), ix->huge);
     ix->engines_cap = 16;
     ix->engines = PyMem_Malloc(ix->engines_cap * sizeof(Engine));
     ix->mark = PyMem_Calloc(ix->engines_cap, 1);
@@ -959,9 +961,10 @@ Index_copy(Index *ix, PyObject *Py_UNUSED(ignored))
     c->engines_n = ix->engines_n;
     c->shared = ix->shared;
     c->epoch = ix->epoch;
-    c->nodes = big_realloc(NULL, 0, (size_t)ix->nodes_cap * sizeof(Node));
-    c->table = big_realloc(NULL, 0, (size_t)(ix->table_mask + 1) * sizeof(Slot));
-    c->owners = big_realloc(NULL, 0, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    c->huge = ix->huge;
+    c->nodes = big_realloc(NULL, 0, (size_t)ix->nodes_cap * sizeof(Node), ix->huge);
+    c->table = big_realloc(NULL, 0, (size_t)(ix->table_mask + 1) * sizeof(Slot), ix->huge);
+    c->owners = big_realloc(NULL, 0, (size_t)(ix->owners_mask + 1) * sizeof(Owner), ix->huge);
     if (c->nodes != NULL) memcpy(c->nodes, ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
     if (c->table != NULL) memcpy(c->table, ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
     if (c->owners != NULL) memcpy(c->owners, ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));

@@ -32,18 +32,20 @@ fills_hole(uint64_t home, uint64_t i, uint64_t j, uint64_t mask)
  * probe into a table far larger than the caches is a cache miss, and on 4 KiB pages a TLB miss too, a
  * page walk of its own (two nested ones in a VM); 2 MiB pages cover a whole index with a few dozen TLB
  * entries. Kernels default to huge pages only where asked (``transparent_hugepage=madvise``), hence
- * the ``madvise``. Smaller tables stay on the heap (a huge page each would waste memory). Free with
- * ``big_free`` and the same size. */
+ * the ``madvise`` (``huge``: ``scheduling.prefix.huge_pages``). Smaller tables stay on the heap (a huge
+ * page each would waste memory). Free with ``big_free`` and the same size. */
 #define BIG_TABLE_BYTES ((size_t)2 << 20)
 
 static inline void *
-big_calloc(size_t size)
+big_calloc(size_t size, int huge)
 {
     if (size < BIG_TABLE_BYTES) return calloc(1, size ? size : 1);
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
-    (void)madvise(p, size, MADV_HUGEPAGE);   /* advice: without huge pages the table still works */
+    if (huge) (void)madvise(p, size, MADV_HUGEPAGE);   /* advice: without huge pages the table still works */
+#else
+    (void)huge;
 #endif
     return p;
 }
@@ -58,9 +60,9 @@ big_free(void *p, size_t size)
 
 /* ``old`` bytes of ``p`` carried into a table of ``size`` bytes (the rest zeroed); NULL leaves ``p``. */
 static inline void *
-big_realloc(void *p, size_t old, size_t size)
+big_realloc(void *p, size_t old, size_t size, int huge)
 {
-    void *q = big_calloc(size);
+    void *q = big_calloc(size, huge);
     if (q == NULL) return NULL;
     if (p != NULL) memcpy(q, p, old < size ? old : size);
     big_free(p, old);

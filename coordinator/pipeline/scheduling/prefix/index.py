@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat, takewhile
 from operator import eq, is_, is_not
 
+from coordinator.config import PrefixIndexSettings
 from coordinator.contracts.hashing import PURE_PYTHON, BlockHash
 
 try:  # the storage in C (``_index.c``); else the Python below
@@ -83,12 +84,15 @@ def _as_set(owners: Owners) -> set[str]:
 
 class PrefixIndex:
     def __init__(self, *, capacity_blocks: int | None = None, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, native: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, native: bool | None = None,
+                 huge_pages: bool = True) -> None:
         """``native``: keep the blocks in C (``_index.c``); None: when the extension is built. The
-        Python form holds the same blocks in the same order (the tests compare the two)."""
+        Python form holds the same blocks in the same order (the tests compare the two).
+        ``huge_pages``: the C tables ask for transparent huge pages once they reach 2 MiB
+        (``scheduling.prefix.huge_pages``)."""
         if native and _native is None:
             raise RuntimeError("the native prefix index (_index.c) is not built")
-        self._core = _native.Index() if _native is not None and native is not False else None
+        self._core = _native.Index(huge_pages) if _native is not None and native is not False else None
         self.capacity_blocks = capacity_blocks
         self._ttl = ttl_s
         self._clock = clock
@@ -362,3 +366,8 @@ class PrefixIndex:
             if len(rest) == 1:
                 self._shared -= 1
             self._owners[h] = rest if len(rest) > 1 else rest[0]
+
+
+def configured_index(prefix: PrefixIndexSettings, ttl_s: float | None = None) -> PrefixIndex:
+    """An index as ``scheduling.prefix`` sizes it (its capacity, its tables' pages)."""
+    return PrefixIndex(capacity_blocks=prefix.capacity_blocks, ttl_s=ttl_s, huge_pages=prefix.huge_pages)
