@@ -962,12 +962,9 @@ Index_copy(Index *ix, PyObject *Py_UNUSED(ignored))
     c->shared = ix->shared;
     c->epoch = ix->epoch;
     c->huge = ix->huge;
-    c->nodes = big_realloc(NULL, 0, (size_t)ix->nodes_cap * sizeof(Node), ix->huge);
-    c->table = big_realloc(NULL, 0, (size_t)(ix->table_mask + 1) * sizeof(Slot), ix->huge);
-    c->owners = big_realloc(NULL, 0, (size_t)(ix->owners_mask + 1) * sizeof(Owner), ix->huge);
-    if (c->nodes != NULL) memcpy(c->nodes, ix->nodes, (size_t)ix->nodes_cap * sizeof(Node));
-    if (c->table != NULL) memcpy(c->table, ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot));
-    if (c->owners != NULL) memcpy(c->owners, ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner));
+    c->nodes = big_copy(ix->nodes, (size_t)ix->nodes_cap * sizeof(Node), ix->huge);
+    c->table = big_copy(ix->table, (size_t)(ix->table_mask + 1) * sizeof(Slot), ix->huge);
+    c->owners = big_copy(ix->owners, (size_t)(ix->owners_mask + 1) * sizeof(Owner), ix->huge);
     c->engines = copied(ix->engines, (size_t)ix->engines_cap * sizeof(Engine));
     c->mark = PyMem_Calloc(ix->engines_cap, 1);
     if (c->owners != NULL)   /* its records must not share the lists of shared blocks */

@@ -58,6 +58,15 @@ big_free(void *p, size_t size)
     else munmap(p, size);
 }
 
+/* A copy of the ``size`` bytes at ``src``, allocated as ``big_calloc`` allocates. */
+static inline void *
+big_copy(const void *src, size_t size, int huge)
+{
+    void *q = big_calloc(size, huge);
+    if (q != NULL && size) memcpy(q, src, size);
+    return q;
+}
+
 /* ``old`` bytes of ``p`` carried into a table of ``size`` bytes (the rest zeroed); NULL leaves ``p``. */
 static inline void *
 big_realloc(void *p, size_t old, size_t size, int huge)
