@@ -34,13 +34,11 @@ from perf._scheduler_scale import BLOCK, MODEL, Say, _publish, bench_scheduler, 
 _DEFAULTS = PrefixIndexSettings()
 
 
-def _indexer(address: str, conn: Connection, gather_ms: float, reader: FeedReader, huge_pages: bool) -> None:
-    """Child: the pod's indexer process, precise source, its feeds gathered every ``gather_ms`` and read
-    by ``reader``, its tables on huge pages or not."""
+def _indexer(address: str, conn: Connection, prefix: PrefixIndexSettings) -> None:
+    """Child: the pod's indexer process under ``prefix`` (the precise source)."""
     from coordinator.indexer.process import serve
 
     os.environ.pop("COORD_CONFIG", None)
-    prefix = PrefixIndexSettings(source="precise", gather_ms=gather_ms, reader=reader, huge_pages=huge_pages)
     settings = Settings(scheduling=SchedulingSettings(prefix=prefix))
     asyncio.run(serve(settings, [address], started=conn.send))
 
@@ -112,18 +110,19 @@ def kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: in
     if pure_python:
         os.environ["LLMC_PURE_PYTHON"] = "1"     # spawned children read it when they import
     try:
+        prefix = PrefixIndexSettings(source="precise", gather_ms=gather_ms, reader=reader,
+                                     huge_pages=huge_pages)
         return _kv_intake_pod(workload_cls, engines=engines, tokens=tokens, decisions=decisions,
                               interval_s=interval_s, batches_per_s=batches_per_s,
                               blocks_per_batch=blocks_per_batch, seed=seed, workers=workers, say=say,
-                              rounds=rounds, gather_ms=gather_ms, reader=reader, huge_pages=huge_pages)
+                              rounds=rounds, prefix=prefix)
     finally:
         os.environ.pop("LLMC_PURE_PYTHON", None)
 
 
 def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: int, interval_s: float,
                    batches_per_s: float, blocks_per_batch: int, seed: int, workers: int,
-                   say: Say, rounds: int, gather_ms: float, reader: FeedReader, huge_pages: bool
-                   ) -> dict[str, Any]:
+                   say: Say, rounds: int, prefix: PrefixIndexSettings) -> dict[str, Any]:
     decisions = max(10, decisions // rounds)   # per phase
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="indexer-bench-")
@@ -134,8 +133,7 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
     publisher.start()
     endpoints: list[str] = pub_parent.recv()
     ix_parent, ix_child = ctx.Pipe()
-    indexer = ctx.Process(target=_indexer, args=(address, ix_child, gather_ms, reader, huge_pages),
-                          daemon=True)
+    indexer = ctx.Process(target=_indexer, args=(address, ix_child, prefix), daemon=True)
     indexer.start()
     ix_parent.recv()
     links, procs = [], []
@@ -191,7 +189,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
             f"{engines} engines over ZMQ, {workers} worker(s) x {decisions} "
             f"decisions at {tokens} tokens every {interval_s * 1000:.0f} ms per phase, publishers idle and "
             f"busy in turn ({rounds} busy phases, each between two idle ones), feeds gathered every "
-            f"{gather_ms:g} ms, read by {reader}, tables on {'huge' if huge_pages else '4 KiB'} pages")
+            f"{prefix.gather_ms:g} ms, read by {prefix.reader}, tables on "
+            f"{'huge' if prefix.huge_pages else '4 KiB'} pages")
         # Every engine's cache full first, so that each measured batch evicts as much as it stores.
         pub_parent.send("fill")
         published = pub_parent.recv()
@@ -220,8 +219,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         rate = max(1, busy["blocks_applied_per_s"])
         final = status(address)
         offered = engines * batches_per_s * blocks_per_batch
-        return {"engines": engines, "workers": workers, "gather_ms": gather_ms, "reader": reader,
-                "huge_pages": huge_pages,
+        return {"engines": engines, "workers": workers, "gather_ms": prefix.gather_ms,
+                "reader": prefix.reader, "huge_pages": prefix.huge_pages,
                 "prompt_tokens": tokens,
                 "decisions": decisions,
                 "interval_ms": interval_s * 1000, "offered_blocks_per_s": round(offered),
