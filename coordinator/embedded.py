@@ -25,12 +25,23 @@ class EmbeddedCoordinator:
     """``with EmbeddedCoordinator(settings) as c: httpx.get(c.url + "/ready")``."""
 
     def __init__(self, settings: Settings, port: int | None = None) -> None:
-        self.port = port or free_port()
+        # The listening socket is bound here and handed to uvicorn, never closed in between: a port
+        # picked free and bound later can be taken meanwhile (by any outgoing connection's ephemeral
+        # port, or a process beside this one), and the server then fails to start.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind(("127.0.0.1", port or 0))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = int(self._sock.getsockname()[1])
         self.app = build_app(settings)
         cfg = uvicorn_config(self.app, settings, host="127.0.0.1", port=self.port, log_level="warning",
                              lifespan="on", timeout_graceful_shutdown=5)
         self.server = draining_server(self.app, cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="coordinator")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                       name="coordinator")
 
     @property
     def url(self) -> str:
@@ -50,6 +61,7 @@ class EmbeddedCoordinator:
         deadline = time.monotonic() + 30
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
+                self.__exit__()
                 raise RuntimeError("coordinator did not start")
             time.sleep(0.02)
         return self
@@ -58,6 +70,7 @@ class EmbeddedCoordinator:
         self.server.should_exit = True
         drain = self.server.drain
         self.thread.join(timeout=15 + (drain.delay_s + drain.timeout_s if drain.draining else 0))
+        self._sock.close()
 
     def begin_drain(self) -> None:
         """What SIGTERM does to ``python -m coordinator`` (signals reach only the main thread):

@@ -118,7 +118,7 @@ class CoordinatorProcess:
     ``with CoordinatorProcess(cfg, tmp_path) as c:`` waits for ``/ready`` and stops the process after."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, name: str = "coordinator") -> None:
-        self.port = free_port()
+        self.port = reserved_port()  # below the ephemeral range: no outgoing connection takes it meanwhile
         server = {**config.get("server", {}), "host": "127.0.0.1", "port": self.port}
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump({**config, "server": server}))

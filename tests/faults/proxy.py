@@ -30,7 +30,7 @@ from typing import Any
 import h11
 import httpx
 
-from coordinator.embedded import free_port
+from perf._procs import reserved_port
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, port: int | None = None) -> None:
         self.upstream = upstream.rstrip("/")
-        self.port = port or free_port()
+        self.port = port or reserved_port()
         self.calls: Counter[str] = Counter()
         self._rules: dict[str, Rule] = {}
         self._rules_lock = threading.Lock()
