@@ -582,16 +582,19 @@ def test_the_batch_path_applies_exactly_what_the_event_path_applies() -> None:
     assert peak == 40   # the capacity trimmed it
 
 
-@READERS
-async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) -> None:
+@pytest.mark.parametrize(("reader", "gathered"), [("libzmq", False), ("zmtp", False), ("zmtp", True)])
+async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str, gathered: bool) -> None:
     """Two subscribers on one publisher, one receiving in C (``_mirror.drain``: libzmq's frames read
-    and applied in place, or ``_mirror.drain_stream``: our reader's bytes parsed and applied in place;
+    and applied in place, or ``_mirror.Feed.drain``: our reader's bytes parsed and applied in place;
     Python handed whatever is not the next common batch) and one receiving in Python: after a stream of ordinary batches (offload tiers included), a batch only Python decodes,
     messages of four and of two frames, garbage, a sequence gap and a publisher restart, both hold the
-    same indexes and translations and count the same gaps, restarts and bad messages."""
+    same indexes and translations and count the same gaps, restarts and bad messages. ``gathered``:
+    both in one ``Gatherer``, whose sweep drains the C one's feed for it (``_mirror.sweep``) and hands
+    its Python drain only what the sweep stopped at."""
     from dataclasses import replace
 
     from coordinator.pipeline.scheduling.prefix import libzmq_receive
+    from coordinator.pipeline.scheduling.prefix.gather import Gatherer
 
     assert libzmq_receive.NATIVE_DRAIN, "the native drain is off (no _mirror extension, or libzmq not found)"
     ctx = zmq.asyncio.Context()
@@ -599,16 +602,27 @@ async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) 
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://127.0.0.1:{port}")
+    gatherer = Gatherer(asyncio.get_running_loop(), 0.005) if gathered else None
 
     def subscriber(native: bool) -> tuple[KvEventSubscriber, list[PrefixIndex]]:
         indexes = [PrefixIndex(capacity_blocks=80), PrefixIndex(), PrefixIndex()]
         mirror = KvEventMirror(indexes[0], ENGINE, MODEL, BS, tiers={"CPU": indexes[1], "STORAGE": indexes[2]})
-        sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx, reader=reader)
+        sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", mirror, "kv", context=ctx, reader=reader,
+                                gatherer=gatherer)
         sub.native_drain = native
         return sub, indexes
 
     (c_sub, c_ix), (py_sub, py_ix) = subscriber(True), subscriber(False)
     assert c_sub.native_drain and not py_sub.native_drain
+    python_drains = 0
+    drain = c_sub._drain
+
+    def counted() -> None:
+        nonlocal python_drains
+        python_drains += 1
+        drain()
+
+    c_sub._drain = counted  # type: ignore[method-assign]
     rng = random.Random(23)
     known: list[int] = []
     seq = 0
@@ -650,6 +664,13 @@ async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) 
         assert await wait_for(lambda: c_sub.last_seq is not None and py_sub.last_seq is not None, hello)
         await hello()
         await ordinary(80)
+        assert await wait_for(lambda: c_sub.last_seq == seq - 1)   # the burst is in (past one drain's budget)
+        await asyncio.sleep(0.05)
+        before = python_drains
+        for _ in range(20):   # one plain batch per sweep: the sweep applies it, no Python drain runs
+            await ordinary(1)
+            await asyncio.sleep(0.02)
+        spaced = python_drains - before
         await send(b"kv", seq.to_bytes(8, "big"), payload(stored(PROMPT[:64], [1, 2, 3, 4], lora_name="a")))
         seq += 1
         await ordinary(10)
@@ -680,19 +701,27 @@ async def test_the_native_drain_ends_where_the_python_receive_ends(reader: str) 
         assert s.bad_payloads >= 1 and s.tier_blocks_stored and s.blocks_removed
         assert s.direct_batches >= 100 and py_sub.mirror.stats.direct_batches >= 100   # Python's path: one call
         assert c_ix[0].blocks(ENGINE) > 0
+        if gathered:   # the sweep drained the plain batches in C; Python saw what it stopped at
+            assert gatherer is not None and gatherer.sweeps >= 20 and spaced == 0
+        else:
+            assert spaced >= 20
     finally:
         await c_sub.stop()
         await py_sub.stop()
+        if gatherer is not None:
+            gatherer.close()
         pub.close(linger=0)
         ctx.term()
 
 
-@READERS
-async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: str,
+@pytest.mark.parametrize(("reader", "gathered"), [("libzmq", False), ("zmtp", False), ("zmtp", True)])
+async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: str, gathered: bool,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """If the C drain raises (out of memory, a libzmq error), the feed logs it, receives in Python from
-    then on, and the batches keep reaching the index."""
+    then on, and the batches keep reaching the index; in the gathered sweep too, where the exception
+    is met for all the feeds in one C call and raised to the feed's own drain."""
     from coordinator.pipeline.scheduling.prefix import libzmq_receive
+    from coordinator.pipeline.scheduling.prefix.gather import Gatherer
 
     assert libzmq_receive.NATIVE_DRAIN
     ctx = zmq.asyncio.Context()
@@ -701,8 +730,9 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: s
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(f"tcp://127.0.0.1:{port}")
     index = PrefixIndex()
+    gatherer = Gatherer(asyncio.get_running_loop(), 0.01, index.now) if gathered else None
     sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", KvEventMirror(index, ENGINE, MODEL, BS), "kv", context=ctx,
-                            reader=reader)
+                            reader=reader, gatherer=gatherer)
     assert sub.native_drain
 
     def broken(*args: Any) -> Any:
@@ -719,12 +749,19 @@ async def test_a_failing_native_drain_falls_back_to_the_python_receive(reader: s
     try:
         sub.start()
         assert await wait_for(lambda: sub.last_seq is not None, send)
-        sub.mirror.drain = sub.mirror.drain_stream = broken  # type: ignore[method-assign]
+        if sub._feed is not None:   # our reader's feed: its drain in C meets a buffer it cannot use
+            sub._feed.buffer = None
+        else:
+            sub.mirror.drain = broken  # type: ignore[method-assign]
         await send(stored(toks, hs))
         assert await wait_for(lambda: index.match(ours(PROMPT)) == {ENGINE: 18})
         assert not sub.native_drain and sub.gaps == 0
         assert "the native drain failed" in caplog.text
+        if gatherer is not None:
+            assert gatherer.sweeps > 0
     finally:
+        if gatherer is not None:
+            gatherer.close()
         await sub.stop()
         pub.close(linger=0)
         ctx.term()

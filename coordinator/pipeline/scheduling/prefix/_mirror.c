@@ -1263,44 +1263,27 @@ drop_taken(PyObject *buf, Py_ssize_t pos)
     return PyByteArray_Resize(buf, len - pos);
 }
 
-/* drain_stream(fd, buffer, last_seq, max_messages, media, engine, block_size, root_seed, now): takes
- * the messages at the head of ``buffer`` (a bytearray: what was received and not yet taken), reading
- * the non-blocking socket ``fd`` into it when they run out, and applies each while it is the next in
- * sequence and ``apply_batch`` takes it, up to ``max_messages``. What it did not take stays in
- * ``buffer``. Returns ``(last_seq, messages applied, counts as apply_batch's, the message it stopped at
- * as a list of frames or None, state)``: 0 the socket is read dry and no whole message waits, 1 more
- * may wait (the budget ran out, or a message was handed back), 2 the head is for zmtp.py to read (a
- * command, or not a plain message), 3 the stream ended or failed (reconnect). */
-static PyObject *
-drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* The messages at the head of ``buf`` (a bytearray: what was received and not yet taken), reading the
+ * non-blocking socket ``fd`` into it when they run out, each applied to ``to`` while it is the next
+ * after ``*last`` and ``apply_words`` takes it, up to ``budget``; what it did not take stays in ``buf``.
+ * Effects go to ``c`` and ``*applied``; the message it stopped at (taken, not applied: the caller
+ * handles it) to ``*held`` as a list of frames. Returns the stream's state: ``STREAM_DRAINED`` the
+ * socket is read dry and no whole message waits, ``STREAM_MORE`` more may wait (the budget ran out, or
+ * a message was handed back), ``STREAM_PYTHON`` the head is for zmtp.py to read (a command, or not a
+ * plain message), ``STREAM_CLOSED`` the stream ended or failed (reconnect); -1 with an exception. */
+static int
+stream_drain(long fd, PyObject *buf, long long *last_io, Py_ssize_t budget, const Target *to, Counts *c,
+             Py_ssize_t *applied_out, PyObject **held)
 {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "drain_stream(fd, buffer, last_seq, max_messages, media, engine, "
-                                         "block_size, root_seed, now)");
-        return NULL;
-    }
-    if (index_api == NULL || chain_api == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "drain_stream needs the index's and chain's extensions");
-        return NULL;
-    }
-    long fd = PyLong_AsLong(args[0]);
-    if (fd == -1 && PyErr_Occurred()) return NULL;
-    PyObject *buf = args[1];
     if (!PyByteArray_Check(buf)) {
         PyErr_SetString(PyExc_TypeError, "the buffer is a bytearray");
-        return NULL;
+        return -1;
     }
-    long long last = PyLong_AsLongLong(args[2]);
-    if (last == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t budget = PyLong_AsSsize_t(args[3]);
-    if (budget == -1 && PyErr_Occurred()) return NULL;
-    Target to;
-    if (load_target(args + 4, &to) < 0) return NULL;
-    Counts c = {0, 0, 0, 0, 0, 0, 0, -1};
+    long long last = *last_io;
     Py_ssize_t applied = 0, pos = 0;
     int state = STREAM_DRAINED, dry = 0;
-    PyObject *held = Py_NewRef(Py_None);
     Py_ssize_t starts[MAX_FRAMES], lens[MAX_FRAMES];
+    *held = NULL;
     for (;;) {
         if (applied >= budget) {
             state = STREAM_MORE;
@@ -1340,7 +1323,7 @@ drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         if (nf == 3 && lens[1] == 8) {
             uint64_t seq = big_endian(m + starts[1], 8);
             if (seq <= INT64_MAX && last < INT64_MAX && (long long)seq == last + 1) {
-                rc = apply_words(&to, m + starts[2], lens[2], &c);
+                rc = apply_words(to, m + starts[2], lens[2], c);
                 if (rc < 0) goto fail;
                 if (rc) last = (long long)seq;
             }
@@ -1350,30 +1333,326 @@ drain_stream(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
             applied++;
             continue;
         }
-        Py_DECREF(held);   /* handed back whole */
-        held = PyList_New(nf);
-        if (held == NULL) goto fail;
+        PyObject *frames = PyList_New(nf);   /* handed back whole */
+        if (frames == NULL) goto fail;
         for (int i = 0; i < nf; i++) {
             PyObject *b = PyBytes_FromStringAndSize((const char *)m + starts[i], lens[i]);
-            if (b == NULL) goto fail;
-            PyList_SET_ITEM(held, i, b);
+            if (b == NULL) {
+                Py_DECREF(frames);
+                goto fail;
+            }
+            PyList_SET_ITEM(frames, i, b);
         }
+        *held = frames;
         state = STREAM_MORE;
         break;
     }
-    if (drop_taken(buf, pos) < 0) goto fail_taken;
-    PyObject *counts = counts_tuple(&c);
-    if (counts == NULL) goto fail_taken;
-    return Py_BuildValue("(LnNNi)", last, applied, counts, held, state);
+    *last_io = last;
+    *applied_out = applied;
+    if (drop_taken(buf, pos) < 0) {
+        Py_CLEAR(*held);
+        return -1;
+    }
+    return state;
 fail:
-    if (pos) {   /* what was taken (applied) leaves the buffer even so */
+    *last_io = last;   /* what was applied stays applied, and leaves the buffer even so */
+    *applied_out = applied;
+    if (pos) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         if (drop_taken(buf, pos) < 0) PyErr_Clear();
         PyErr_Restore(type, value, tb);
     }
-fail_taken:
-    Py_XDECREF(held);
+    return -1;
+}
+
+/* --- one engine's feed, drained alone or in the gathered sweep --------------------------------- */
+
+/* Why a type: the gathered sweep (``sweep``) drains every ready feed in one call, with no Python frame
+ * per feed; each feed's position in its stream and what its drains applied must then live here. At
+ * 256 engines the Python around one feed's drain (the sweep's loop, the subscriber's and the mirror's
+ * methods, the results' tuples) cost about as much as the recv and the parse of its batch. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *media;       /* ``Target``'s media point into it: kept alive */
+    PyObject *engine;
+    Target target;         /* parsed once; ``now`` set per drain */
+    PyObject *buffer;      /* the connection's bytearray (zmtp.ZmtpSubscription.buffer), or None */
+    long fd;
+    long long last;        /* the last sequence number applied, when ``has_last`` */
+    int has_last;
+    int live;              /* the sweep may drain it; Python clears it while it handles the feed itself */
+    Py_ssize_t budget;     /* messages per drain */
+    Py_ssize_t batches;    /* what drains applied since ``take_counts`` */
+    Counts counts;
+    PyObject *held;        /* what the sweep stopped at, for the next ``drain``: (frames or None, state) */
+    PyObject *err_type, *err_value, *err_tb;   /* an exception the sweep met, raised by the next ``drain`` */
+} Feed;
+
+static PyTypeObject FeedType;
+
+static void
+Feed_dealloc(Feed *f)
+{
+    Py_XDECREF(f->media);
+    Py_XDECREF(f->engine);
+    Py_XDECREF(f->buffer);
+    Py_XDECREF(f->held);
+    Py_XDECREF(f->err_type);
+    Py_XDECREF(f->err_value);
+    Py_XDECREF(f->err_tb);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static const Counts NO_COUNTS = {0, 0, 0, 0, 0, 0, 0, -1};
+
+/* Feed(media, engine, block_size, root_seed, max_messages) */
+static PyObject *
+Feed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Feed() takes positional arguments");
+        return NULL;
+    }
+    if (index_api == NULL || chain_api == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Feed needs the index's and chain's extensions");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(args) != 5) {
+        PyErr_SetString(PyExc_TypeError, "Feed(media, engine, block_size, root_seed, max_messages)");
+        return NULL;
+    }
+    Py_ssize_t budget = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 4));
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    if (budget < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_messages must be positive");
+        return NULL;
+    }
+    PyObject *targs[5] = {PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2),
+                          PyTuple_GET_ITEM(args, 3), NULL};
+    PyObject *zero = PyFloat_FromDouble(0.0);
+    if (zero == NULL) return NULL;
+    targs[4] = zero;
+    Feed *f = (Feed *)type->tp_alloc(type, 0);
+    if (f == NULL) {
+        Py_DECREF(zero);
+        return NULL;
+    }
+    int rc = load_target(targs, &f->target);
+    Py_DECREF(zero);
+    if (rc < 0) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    f->media = Py_NewRef(targs[0]);
+    f->engine = Py_NewRef(targs[1]);
+    f->buffer = Py_NewRef(Py_None);
+    f->fd = -1;
+    f->budget = budget;
+    f->counts = NO_COUNTS;
+    return (PyObject *)f;
+}
+
+static void
+add_counts(Counts *to, const Counts *c)
+{
+    to->stored += c->stored;
+    to->tier_stored += c->tier_stored;
+    to->removed += c->removed;
+    to->clears += c->clears;
+    to->unknown += c->unknown;
+    to->no_tokens += c->no_tokens;
+    to->other += c->other;
+    if (c->engine_block_size >= 0) to->engine_block_size = c->engine_block_size;
+}
+
+/* One drain of the feed at ``now``: its state, the message it stopped at in ``*held``; -1 with an
+ * exception. */
+static int
+feed_drain(Feed *f, double now, PyObject **held)
+{
+    if (!f->has_last) {
+        PyErr_SetString(PyExc_RuntimeError, "a feed drains from a known position (last_seq)");
+        return -1;
+    }
+    f->target.now = now;
+    Counts c = NO_COUNTS;
+    Py_ssize_t applied = 0;
+    int state = stream_drain(f->fd, f->buffer, &f->last, f->budget, &f->target, &c, &applied, held);
+    if (applied) {
+        f->batches += applied;
+        add_counts(&f->counts, &c);
+    }
+    return state;
+}
+
+/* drain(now) -> (frames or None, state): what the last sweep stopped at if anything, else one drain
+ * (``stream_drain``). An exception the sweep met is raised here. */
+static PyObject *
+Feed_drain(Feed *f, PyObject *arg)
+{
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    if (f->err_type != NULL) {
+        PyErr_Restore(f->err_type, f->err_value, f->err_tb);
+        f->err_type = f->err_value = f->err_tb = NULL;
+        return NULL;
+    }
+    if (f->held != NULL) {
+        PyObject *out = f->held;
+        f->held = NULL;
+        return out;
+    }
+    PyObject *held;
+    int state = feed_drain(f, now, &held);
+    if (state < 0) return NULL;
+    return Py_BuildValue("(Ni)", held != NULL ? held : Py_NewRef(Py_None), state);
+}
+
+/* take_counts() -> (batches, counts as apply_batch's): what drains applied since the last call. */
+static PyObject *
+Feed_take_counts(Feed *f, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *counts = counts_tuple(&f->counts);
+    if (counts == NULL) return NULL;
+    Py_ssize_t batches = f->batches;
+    f->batches = 0;
+    f->counts = NO_COUNTS;
+    return Py_BuildValue("(nN)", batches, counts);
+}
+
+static PyObject *
+Feed_get_last_seq(Feed *f, void *Py_UNUSED(closure))
+{
+    if (!f->has_last) Py_RETURN_NONE;
+    return PyLong_FromLongLong(f->last);
+}
+
+static int
+Feed_set_last_seq(Feed *f, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || value == Py_None) {
+        f->has_last = 0;
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    f->last = v;
+    f->has_last = 1;
+    return 0;
+}
+
+static PyObject *
+Feed_get_buffer(Feed *f, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(f->buffer);
+}
+
+static int
+Feed_set_buffer(Feed *f, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL) value = Py_None;
+    Py_SETREF(f->buffer, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+Feed_get_fd(Feed *f, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(f->fd);
+}
+
+static int
+Feed_set_fd(Feed *f, PyObject *value, void *Py_UNUSED(closure))
+{
+    long v = value == NULL ? -1 : PyLong_AsLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    f->fd = v;
+    return 0;
+}
+
+static PyObject *
+Feed_get_live(Feed *f, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(f->live);
+}
+
+static int
+Feed_set_live(Feed *f, PyObject *value, void *Py_UNUSED(closure))
+{
+    int v = value == NULL ? 0 : PyObject_IsTrue(value);
+    if (v < 0) return -1;
+    f->live = v;
+    return 0;
+}
+
+static PyGetSetDef Feed_getset[] = {
+    {"last_seq", (getter)Feed_get_last_seq, (setter)Feed_set_last_seq,
+     "the last sequence number applied, or None before the first", NULL},
+    {"buffer", (getter)Feed_get_buffer, (setter)Feed_set_buffer, "the connection's bytearray", NULL},
+    {"fd", (getter)Feed_get_fd, (setter)Feed_set_fd, "the connection's socket (-1: none)", NULL},
+    {"live", (getter)Feed_get_live, (setter)Feed_set_live, "whether the sweep may drain it", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef Feed_methods[] = {
+    {"drain", (PyCFunction)Feed_drain, METH_O, "drain(now) -> (frames or None, state)"},
+    {"take_counts", (PyCFunction)Feed_take_counts, METH_NOARGS,
+     "take_counts() -> (batches, counts): what drains applied since the last call"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FeedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "coordinator.pipeline.scheduling.prefix._mirror.Feed",
+    .tp_basicsize = sizeof(Feed),
+    .tp_dealloc = (destructor)Feed_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One engine's feed over our ZMTP reader: its position, its connection, what it applied.",
+    .tp_methods = Feed_methods,
+    .tp_getset = Feed_getset,
+    .tp_new = Feed_new,
+};
+
+/* sweep(ready, feeds, now) -> [fd, ...]: ``ready`` as ``epoll.poll`` returns it, ``feeds`` {fd: Feed}.
+ * Drains each ready feed that is live, and returns the descriptors Python must drain itself: those of
+ * no live feed, and those whose drain stopped at anything but a dry socket (a message handed back, a
+ * command, a closed stream, the budget, an exception), which that feed's next ``drain`` returns. */
+static PyObject *
+sweep(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "sweep(ready: list, feeds: dict, now)");
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[2]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *ready = args[0], *feeds = args[1];
+    PyObject *slow = PyList_New(0);
+    if (slow == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ready); i++) {
+        PyObject *item = PyList_GET_ITEM(ready, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 1) {
+            PyErr_SetString(PyExc_TypeError, "ready: (fd, events) pairs");
+            goto fail;
+        }
+        PyObject *fd = PyTuple_GET_ITEM(item, 0);
+        PyObject *found = PyDict_GetItemWithError(feeds, fd);
+        if (found == NULL && PyErr_Occurred()) goto fail;
+        Feed *f = found != NULL && PyObject_TypeCheck(found, &FeedType) ? (Feed *)found : NULL;
+        if (f != NULL && f->live && f->has_last && f->held == NULL && f->err_type == NULL) {
+            PyObject *held;
+            int state = feed_drain(f, now, &held);
+            if (state == STREAM_DRAINED && held == NULL) continue;
+            if (state < 0) PyErr_Fetch(&f->err_type, &f->err_value, &f->err_tb);
+            else if ((f->held = Py_BuildValue("(Ni)", held != NULL ? held : Py_NewRef(Py_None), state)) == NULL)
+                goto fail;
+        }
+        if (PyList_Append(slow, fd) < 0) goto fail;
+    }
+    return slow;
+fail:
+    Py_DECREF(slow);
     return NULL;
 }
 
@@ -1468,8 +1747,8 @@ static PyMethodDef module_methods[] = {
      "bind_zmq(*addresses): libzmq's functions for drain"},
     {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
      "drain(socket, last_seq, max_messages, media, engine, block_size, root_seed, now) -> ..."},
-    {"drain_stream", (PyCFunction)(void (*)(void))drain_stream, METH_FASTCALL,
-     "drain_stream(fd, buffer, last_seq, max_messages, media, engine, block_size, root_seed, now) -> ..."},
+    {"sweep", (PyCFunction)(void (*)(void))sweep, METH_FASTCALL,
+     "sweep(ready, feeds, now) -> the descriptors Python must drain itself"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1482,7 +1761,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__mirror(void)
 {
-    if (PyType_Ready(&TranslationType) < 0) return NULL;
+    if (PyType_Ready(&TranslationType) < 0 || PyType_Ready(&FeedType) < 0) return NULL;
     /* Without the index's or the chain's extension every batch takes Python's path (None). */
     index_api = PyCapsule_Import(INDEX_CAPSULE, 0);
     chain_api = index_api == NULL ? NULL : PyCapsule_Import(CHAIN_CAPSULE, 0);
@@ -1492,7 +1771,8 @@ PyInit__mirror(void)
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Translation", (PyObject *)&TranslationType) < 0) {
+    if (PyModule_AddObjectRef(m, "Translation", (PyObject *)&TranslationType) < 0
+        || PyModule_AddObjectRef(m, "Feed", (PyObject *)&FeedType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

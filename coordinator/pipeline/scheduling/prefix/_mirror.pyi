@@ -27,6 +27,17 @@ def drain(socket: int, last_seq: int, max_messages: int, media: tuple[Medium, ..
           ) -> tuple[int, int, tuple[int, int, int, int, int, int, int, int], list[bytes] | None, bool]: ...
 Counts = tuple[int, int, int, int, int, int, int, int]
 
-def drain_stream(fd: int, buffer: bytearray, last_seq: int, max_messages: int, media: tuple[Medium, ...],
-                 engine: str, block_size: int, root_seed: int, now: float, /
-                 ) -> tuple[int, int, Counts, list[bytes] | None, int]: ...
+class Feed:
+    """One engine's feed over our ZMTP reader: its position, its connection, what it applied."""
+
+    last_seq: int | None
+    buffer: bytearray | None
+    fd: int
+    live: bool
+
+    def __init__(self, media: tuple[Medium, ...], engine: str, block_size: int, root_seed: int,
+                 max_messages: int, /) -> None: ...
+    def drain(self, now: float, /) -> tuple[list[bytes] | None, int]: ...
+    def take_counts(self) -> tuple[int, Counts]: ...
+
+def sweep(ready: list[tuple[int, int]], feeds: dict[int, Feed], now: float, /) -> list[int]: ...

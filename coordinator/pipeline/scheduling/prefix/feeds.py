@@ -63,12 +63,20 @@ class KvEventSubscriber:
         self.endpoint = endpoint
         self.bootstrap = bootstrap
         self.duplicates = 0
-        self._catching_up = False
+        self.own_reader = reader == "zmtp" and zmtp.address(endpoint) is not None
+        # Our reader's feed in C (``_mirror.Feed``): it holds the position in the stream, and the
+        # gathered sweep drains it while it is live (``_sync_live``).
+        self._feed = mirror.stream_feed(self.DRAIN_MESSAGES) if self.own_reader and mirror.drains else None
+        self._last_seq: int | None = None
+        # Receive in C while the stream is plain (the next sequence number, the common batch), Python
+        # handling whatever it hands back (``KvEventMirror.drain``).
+        self._native_drain = NATIVE_DRAIN and mirror.drains
+        self._catching_up_ = False
+        self._sync_live()
         self.replay_endpoint = replay_endpoint
         self.replayed = 0
         self.mirror = mirror
         self.topic = topic
-        self.last_seq: int | None = None
         self.gaps = 0
         self.missed = 0
         self.restarts = 0
@@ -78,16 +86,50 @@ class KvEventSubscriber:
         self._sync_ctx: zmq.Context[Any] = zmq.Context.shadow(ctx.underlying)  # the SUB: drained in callbacks
         self._sock: zmq.Socket[bytes] | None = None
         self._zmtp: ZmtpSubscription | None = None
-        self.own_reader = reader == "zmtp" and zmtp.address(endpoint) is not None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None   # the descriptor watched (a ZMTP feed's while it is connected)
         self._gatherer = gatherer
         self._held: list[bytes] | None = None   # a batch after a gap, applied once the replay is done
         self._replaying: asyncio.Task[None] | None = None
         self._again: asyncio.Handle | None = None
-        # Receive in C while the stream is plain (the next sequence number, the common batch), Python
-        # handling whatever it hands back (``KvEventMirror.drain``).
-        self.native_drain = NATIVE_DRAIN and mirror.drains
+
+    @property
+    def last_seq(self) -> int | None:
+        """The sequence number of the last batch applied (None before the first)."""
+        return self._feed.last_seq if self._feed is not None else self._last_seq
+
+    @last_seq.setter
+    def last_seq(self, seq: int | None) -> None:
+        if self._feed is not None:
+            self._feed.last_seq = seq
+        else:
+            self._last_seq = seq
+
+    @property
+    def native_drain(self) -> bool:
+        """Whether batches are received and applied in C while the stream is plain."""
+        return self._native_drain
+
+    @native_drain.setter
+    def native_drain(self, on: bool) -> None:
+        self._native_drain = on
+        self._sync_live()
+
+    @property
+    def _catching_up(self) -> bool:
+        """After the start-up replay: live batches the replay already applied are skipped (Python)."""
+        return self._catching_up_
+
+    @_catching_up.setter
+    def _catching_up(self, on: bool) -> None:
+        self._catching_up_ = on
+        self._sync_live()
+
+    def _sync_live(self) -> None:
+        """The sweep drains our feed in C only where ``_drain_stream`` would (and from a known
+        position, which the feed checks itself)."""
+        if self._feed is not None:
+            self._feed.live = self._native_drain and not self._catching_up_
 
     @property
     def running(self) -> bool:
@@ -106,6 +148,8 @@ class KvEventSubscriber:
         if self.own_reader:
             self._zmtp = ZmtpSubscription(self.endpoint, self.topic.encode(), self._connected,
                                           self._disconnected)
+            if self._feed is not None:
+                self._feed.buffer = self._zmtp.buffer
             self._zmtp.start()
             if self.bootstrap and self.replay_endpoint is not None and self.last_seq is None:
                 self._replaying = self._loop.create_task(self._bootstrap(),
@@ -126,8 +170,11 @@ class KvEventSubscriber:
 
     def _watch(self, fd: int) -> None:
         self._fd = fd
+        feed = self._feed if self._zmtp is not None else None
+        if feed is not None:
+            feed.fd = fd
         if self._gatherer is not None:
-            self._gatherer.add(fd, self._drain)
+            self._gatherer.add(fd, self._drain, feed)
         else:
             assert self._loop is not None
             self._loop.add_reader(fd, self._drain)
@@ -199,16 +246,15 @@ class KvEventSubscriber:
         deadline = time.perf_counter() + self.BATCH_S
         while True:
             frames: list[bytes] | None
-            if self.native_drain and self.last_seq is not None and not self._catching_up:
+            feed = self._feed
+            if feed is not None and feed.live and feed.last_seq is not None:
                 try:
-                    last, frames, state = self.mirror.drain_stream(fd, conn.buffer, self.last_seq,
-                                                                   self.DRAIN_MESSAGES)
+                    frames, state = feed.drain(self.mirror.index.now())
                 except Exception:   # out of memory: receive in Python from here on
                     log.exception("KV events from %s: the native drain failed; receiving in Python",
                                   self.mirror.engine)
                     self.native_drain = False
                     continue
-                self.last_seq = last
                 if state == zmtp.CLOSED:
                     conn.lost("end of stream")
                     return
@@ -439,7 +485,7 @@ class PreciseIndexSource:
             await self.detach(engine_url)
         mirror = KvEventMirror(self.index, engine_url, model, self.block_size, tiers=self.tiers)
         if self.gatherer is None and self.gather_s > 0 and Gatherer.available():
-            self.gatherer = Gatherer(asyncio.get_running_loop(), self.gather_s)
+            self.gatherer = Gatherer(asyncio.get_running_loop(), self.gather_s, self.index.now)
         sub = KvEventSubscriber(endpoint, mirror, self.topic, context=self._ctx, replay_endpoint=replay,
                                 bootstrap=self.bootstrap, gatherer=self.gatherer, reader=self.reader)
         sub.start()

@@ -50,6 +50,14 @@ NATIVE_MIRROR = _native is not None
 """Whether mirrors keep their translation tables in C (``_mirror.c``)."""
 
 
+def sweep(ready: list[tuple[int, int]], feeds: dict[int, Any], now: float) -> list[int]:
+    """Drain in one C call every ready feed of ``feeds`` (``_mirror.Feed`` by descriptor) that is live;
+    the descriptors Python must drain itself (``_mirror.sweep``). Needs ``_mirror``: feeds exist only
+    with it (``KvEventMirror.stream_feed``)."""
+    assert _native is not None
+    return _native.sweep(ready, feeds, now)
+
+
 def bind_libzmq(addresses: Sequence[int]) -> bool:
     """Give ``KvEventMirror.drain`` libzmq's functions (``libzmq_receive`` finds them); False without
     ``_mirror``."""
@@ -278,7 +286,8 @@ class KvEventMirror:
         self.model = model
         self.block_size = block_size
         self.media = frozenset(media)
-        self.stats = MirrorStats()
+        self._stats = MirrorStats()
+        self._feeds: list[_native.Feed] = []   # our reader's feeds, whose drains count in C
         self._primary = _Medium(index)
         self._tiers = {name: _Medium(ix) for name, ix in (tiers or {}).items()}
         self._all = [self._primary, *self._tiers.values()]
@@ -297,6 +306,15 @@ class KvEventMirror:
                 return None
             media.append((name, at.trans, *writes))
         return tuple(media)
+
+    @property
+    def stats(self) -> MirrorStats:
+        """What the mirror did, with what its feeds' drains in C applied since the last look."""
+        for feed in self._feeds:
+            batches, counts = feed.take_counts()
+            if batches:
+                self._count_direct(batches, counts)
+        return self._stats
 
     @property
     def engine_blocks(self) -> int:
@@ -344,23 +362,17 @@ class KvEventMirror:
             self._count_direct(applied, counts)
         return last, held, more
 
-    def drain_stream(self, fd: int, buffer: bytearray, last_seq: int, max_messages: int
-                     ) -> tuple[int, list[bytes] | None, int]:
-        """Take and apply, in C (``_mirror.drain_stream``), the ZMTP messages at the head of ``buffer``,
-        reading the socket ``fd`` into it as they run out (``zmtp.ZmtpSubscription``), while each
-        continues ``last_seq`` and is the common batch. Returns the last sequence number applied, the
-        message it stopped at (taken, not applied: the caller handles it) and the stream's state
-        (``zmtp.DRAINED``, ``MORE_WAITING``, ``PYTHON``, ``CLOSED``)."""
+    def stream_feed(self, max_messages: int) -> _native.Feed:
+        """A feed for our ZMTP reader whose messages are taken, parsed and applied in C
+        (``_mirror.Feed``, drained alone or in the gathered sweep, ``_mirror.sweep``), at most
+        ``max_messages`` a drain; what its drains apply counts in ``stats``."""
         assert self._direct is not None
-        last, applied, counts, held, state = _native.drain_stream(
-            fd, buffer, last_seq, max_messages, self._direct, self.engine, self.block_size, self._root,
-            self.index.now())
-        if applied:
-            self._count_direct(applied, counts)
-        return last, held, state
+        feed = _native.Feed(self._direct, self.engine, self.block_size, self._root, max_messages)
+        self._feeds.append(feed)
+        return feed
 
     def _count_direct(self, batches: int, counts: tuple[int, int, int, int, int, int, int, int]) -> None:
-        stats = self.stats
+        stats = self._stats
         stored, tier_stored, removed, clears, unknown, no_tokens, other, engine_block_size = counts
         stats.batches += batches
         stats.direct_batches += batches
