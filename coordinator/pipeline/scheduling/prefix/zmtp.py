@@ -5,7 +5,8 @@ thread, which wakes for every TCP arrival, decodes the frames and signals the re
 a mailbox. At 256 engines publishing 2,560 batches a second that thread and its signalling were a
 third of the pod's intake CPU (docs/scheduling.md, "Our own ZMTP reader"). Here the event loop's own
 socket is read: the bytes wait in the kernel until the feed's (gathered) drain reads them all in one
-``recv``, and ``_mirror.drain_stream`` parses and applies them in place.
+``recv``, and ``_mirror.Feed`` parses and applies them in place (``_mirror.sweep``: every ready feed
+in one call).
 
 Only what a subscriber of vLLM's KV-event publisher needs: connect, greet, ``READY``, one
 subscription, then read messages (and answer ``PING``). Replays stay on libzmq (a DEALER, rare).
@@ -39,7 +40,7 @@ MAX_FRAME = 64 << 20
 CHUNK = 1 << 16
 """Bytes asked of the kernel per read (``_mirror.c`` reads as much)."""
 DRAINED, MORE_WAITING, PYTHON, CLOSED = 0, 1, 2, 3
-"""``_mirror.drain_stream``'s states: the socket is read dry and no whole message waits; more may wait;
+"""``_mirror.Feed.drain``'s states: the socket is read dry and no whole message waits; more may wait;
 the buffer's head is for ``take``; the stream ended."""
 
 
@@ -133,7 +134,7 @@ class ZmtpSubscription:
 
     ``on_up(fd)`` is called once the handshake is done (the caller watches ``fd`` and drains the
     connection), ``on_down(fd)`` when it is lost, before the next try. The bytes received and not yet
-    taken are ``buffer``: ``take`` parses a message off its head in Python; ``_mirror.drain_stream``
+    taken are ``buffer``: ``take`` parses a message off its head in Python; ``_mirror.Feed``
     reads and applies in C, leaving in it what it did not take.
     """
 
