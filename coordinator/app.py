@@ -53,9 +53,9 @@ from coordinator.pipeline.responses.chain import ResponseChain, ResponsesIntake
 from coordinator.pipeline.responses.store import open_store
 from coordinator.pipeline.responses.translate import ResponsesTranslator
 from coordinator.pipeline.responses.truncation import Measure
-from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import configured_index
 from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile, soon
 from coordinator.pipeline.service import Pipeline
 from coordinator.pipeline.sidecar import HEALTH_TIMEOUT_S, SidecarClient

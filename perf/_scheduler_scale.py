@@ -32,9 +32,9 @@ from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.observability.metrics import Metrics
 from coordinator.pipeline.admission.budget import TokenLedger
 from coordinator.pipeline.engines.registry import EngineRegistry
-from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.remote import RemoteIndex
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 from coordinator.pipeline.scheduling.request import SchedRequest
 from coordinator.pipeline.scheduling.scheduler import Scheduler, build_profile
 from perf._report import pct

@@ -21,9 +21,9 @@ from coordinator.contracts.indexer import (
     Stats,
     Status,
 )
-from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import configured_index
 from coordinator.pipeline.scheduling.prefix.memory import PrefixMemory
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 
 
 class IndexService:

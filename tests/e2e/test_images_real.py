@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.pipeline.scheduling.prefix.feeds import PreciseIndexSource
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 from tests.conftest import MAX_MODEL_LEN, SERVED, VISION, VISION_MM_LIMIT, CoordinatorFactory, _echo, _ready
 from tests.support import free_port, reserved_port, sse_events, streamed_text
 

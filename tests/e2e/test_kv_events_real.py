@@ -18,8 +18,9 @@ import pytest
 
 from coordinator.contracts.hashing import block_hashes, chain_seed
 from coordinator.pipeline.scheduling.prefix import kv_events
-from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 from tests.conftest import SERVED, VllmStack
 from tests.integration.test_workers import pod
 from tests.support import wait_until

@@ -19,9 +19,11 @@ import zmq
 import zmq.asyncio
 
 from coordinator.contracts.hashing import block_hashes, chain_seed, media_digest
-from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import KvEventMirror
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.translation import PyTranslation
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -416,7 +418,7 @@ async def test_missed_batches_are_replayed_from_vllms_replay_socket(reader: str)
 
 
 def test_the_native_translation_holds_exactly_what_the_python_form_holds() -> None:
-    """The mirror's translation table in C (``_mirror.c``) against ``_PyTranslation`` on one random
+    """The mirror's translation table in C (``_mirror.c``) against ``PyTranslation`` on one random
     history: runs stored at 1 and 8 of our blocks per engine block in two KV cache groups, blocks
     reported again, hashes of ours shared by several engine blocks (hybrid groups, LoRA runs under the
     base name), removals of known and unknown blocks, clears. After every step both map the same
@@ -425,7 +427,7 @@ def test_the_native_translation_holds_exactly_what_the_python_form_holds() -> No
     from coordinator.pipeline.scheduling.prefix import kv_events as module
 
     assert module.NATIVE_MIRROR, "the _mirror extension was not built (is a C compiler installed?)"
-    c, py = module._Translation(), module._PyTranslation()
+    c, py = module._Translation(), PyTranslation()
     assert type(c) is not type(py)
     rng = random.Random(5)
     pool = [rng.randrange(-(2**63), 2**63) for _ in range(60)]   # few hashes of ours: many shared

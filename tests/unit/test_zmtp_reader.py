@@ -18,9 +18,10 @@ import zmq
 import zmq.asyncio
 
 from coordinator.pipeline.scheduling.prefix import zmtp
-from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber, PreciseIndexSource
+from coordinator.pipeline.scheduling.prefix.feeds import KvEventSubscriber
 from coordinator.pipeline.scheduling.prefix.index import PrefixIndex
 from coordinator.pipeline.scheduling.prefix.kv_events import NATIVE_MIRROR, KvEventMirror
+from coordinator.pipeline.scheduling.prefix.source import PreciseIndexSource
 from tests.unit.test_kv_events import (
     BS,
     ENGINE,
