@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <errno.h>
 #include <string.h>
@@ -1381,7 +1382,7 @@ typedef struct {
     long fd;
     long long last;        /* the last sequence number applied, when ``has_last`` */
     int has_last;
-    int live;              /* the sweep may drain it; Python clears it while it handles the feed itself */
+    char live;             /* the sweep may drain it; Python clears it while it handles the feed itself */
     Py_ssize_t budget;     /* messages per drain */
     Py_ssize_t batches;    /* what drains applied since ``take_counts`` */
     Counts counts;
@@ -1556,43 +1557,17 @@ Feed_set_buffer(Feed *f, PyObject *value, void *Py_UNUSED(closure))
     return 0;
 }
 
-static PyObject *
-Feed_get_fd(Feed *f, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLong(f->fd);
-}
-
-static int
-Feed_set_fd(Feed *f, PyObject *value, void *Py_UNUSED(closure))
-{
-    long v = value == NULL ? -1 : PyLong_AsLong(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    f->fd = v;
-    return 0;
-}
-
-static PyObject *
-Feed_get_live(Feed *f, void *Py_UNUSED(closure))
-{
-    return PyBool_FromLong(f->live);
-}
-
-static int
-Feed_set_live(Feed *f, PyObject *value, void *Py_UNUSED(closure))
-{
-    int v = value == NULL ? 0 : PyObject_IsTrue(value);
-    if (v < 0) return -1;
-    f->live = v;
-    return 0;
-}
-
 static PyGetSetDef Feed_getset[] = {
     {"last_seq", (getter)Feed_get_last_seq, (setter)Feed_set_last_seq,
      "the last sequence number applied, or None before the first", NULL},
     {"buffer", (getter)Feed_get_buffer, (setter)Feed_set_buffer, "the connection's bytearray", NULL},
-    {"fd", (getter)Feed_get_fd, (setter)Feed_set_fd, "the connection's socket (-1: none)", NULL},
-    {"live", (getter)Feed_get_live, (setter)Feed_set_live, "whether the sweep may drain it", NULL},
     {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef Feed_members[] = {
+    {"fd", T_LONG, offsetof(Feed, fd), 0, "the connection's socket (-1: none)"},
+    {"live", T_BOOL, offsetof(Feed, live), 0, "whether the sweep may drain it"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyMethodDef Feed_methods[] = {
@@ -1611,6 +1586,7 @@ static PyTypeObject FeedType = {
     .tp_doc = "One engine's feed over our ZMTP reader: its position, its connection, what it applied.",
     .tp_methods = Feed_methods,
     .tp_getset = Feed_getset,
+    .tp_members = Feed_members,
     .tp_new = Feed_new,
 };
 

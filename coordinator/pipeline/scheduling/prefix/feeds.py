@@ -68,7 +68,8 @@ class KvEventSubscriber:
         # Receive in C while the stream is plain (the next sequence number, the common batch), Python
         # handling whatever it hands back (``KvEventMirror.drain``).
         self._native_drain = NATIVE_DRAIN and mirror.drains
-        self._catching_up_ = False
+        # After the start-up replay: live batches the replay already applied are skipped (in Python).
+        self._catching_up = False
         self._sync_live()
         self.replay_endpoint = replay_endpoint
         self.replayed = 0
@@ -112,21 +113,11 @@ class KvEventSubscriber:
         self._native_drain = on
         self._sync_live()
 
-    @property
-    def _catching_up(self) -> bool:
-        """After the start-up replay: live batches the replay already applied are skipped (Python)."""
-        return self._catching_up_
-
-    @_catching_up.setter
-    def _catching_up(self, on: bool) -> None:
-        self._catching_up_ = on
-        self._sync_live()
-
     def _sync_live(self) -> None:
         """The sweep drains our feed in C only where ``_drain_stream`` would (and from a known
         position, which the feed checks itself)."""
         if self._feed is not None:
-            self._feed.live = self._native_drain and not self._catching_up_
+            self._feed.live = self._native_drain and not self._catching_up
 
     @property
     def running(self) -> bool:
@@ -352,6 +343,7 @@ class KvEventSubscriber:
         except Exception:  # the live feed goes on without the history
             log.exception("KV events from %s: start-up replay failed", self.mirror.engine)
         self._catching_up = self.last_seq is not None
+        self._sync_live()
         self._replaying = None
         self._resume()
 
@@ -425,6 +417,7 @@ class KvEventSubscriber:
                 self.duplicates += 1
                 return
             self._catching_up = False
+            self._sync_live()
         if last is not None and seq != last + 1:
             if seq <= last:
                 self.restarts += 1
