@@ -88,8 +88,12 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
         label = await asyncio.to_thread(conn.recv)
         if label == "stop":
             break
+        # A phase's prompts are made and hashed before it is measured ("prepare"): how long that takes
+        # varies with the workload's pool from one phase to the next, and it is not the intake's.
         prompts = [wl.next(tokens) for _ in range(decisions)]
         hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
+        conn.send("prepared")
+        label = await asyncio.to_thread(conn.recv)
         unanswered = remote.unanswered
         took, late = await timed_decisions(sched, prompts, hashed, interval_s, label)
         conn.send({"took": took, "late": late, "unanswered": remote.unanswered - unanswered})
@@ -155,6 +159,10 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
             return [sum(p.cpu_times()[:2]) for p in pod]
 
         def phase(label: str) -> dict[str, Any]:
+            for link in links:
+                link.send("prepare")
+            for link in links:
+                assert link.recv() == "prepared"
             first, cpu0, t0 = status(address).blocks_stored, cpu(), time.perf_counter()
             for link in links:
                 link.send(label)
