@@ -29,14 +29,17 @@
 
 #define NIL UINT32_MAX
 
+/* 32 bytes, so that in a pool aligned to the cache line no node straddles two lines (at 40, half of
+ * them did: a second cache miss for each node the intake touches). */
 typedef struct {
     int64_t hash;
     double time;         /* last use */
     uint32_t engine;
     uint32_t prev, next; /* the engine's LRU list (oldest first); ``next`` chains the free list */
-    uint32_t stamp;      /* the last ``add`` call that moved it */
-    uint32_t born;       /* the ``add`` call that created it (tells new blocks from held ones) */
+    uint32_t stamp;      /* the last ``add`` call that moved it (``call_stamp``), its low bit set if that
+                          * call created it (tells new blocks from held ones) */
 } Node;
+_Static_assert(sizeof(Node) == 32, "a node is half a cache line");
 
 typedef struct {
     int64_t hash;
@@ -117,10 +120,10 @@ node_find_slot(Index *ix, uint32_t engine, int64_t hash)
 static void
 prefetch_nodes(Index *ix, uint32_t engine, const int64_t *hs, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&ix->table[node_key(engine, hs[i]) & ix->table_mask]);
+    for (Py_ssize_t i = 0; i < n; i++) touch(&ix->table[node_key(engine, hs[i]) & ix->table_mask]);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t x = slot_node(ix->table[node_key(engine, hs[i]) & ix->table_mask]);
-        if (x != NIL) __builtin_prefetch(&ix->nodes[x]);
+        if (x != NIL) touch(&ix->nodes[x]);
     }
 }
 
@@ -244,7 +247,7 @@ owner_find_slot(Index *ix, int64_t hash)
 static void
 prefetch_owners(Index *ix, const int64_t *hs, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&ix->owners[mix((uint64_t)hs[i]) & ix->owners_mask]);
+    for (Py_ssize_t i = 0; i < n; i++) touch(&ix->owners[mix((uint64_t)hs[i]) & ix->owners_mask]);
 }
 
 static inline Owner *
@@ -416,11 +419,11 @@ drop_node(Index *ix, uint32_t n)
 static uint32_t
 next_epoch(Index *ix)
 {
-    if (++ix->epoch == 0) {   /* wrapped: no node may look moved or created by a later call */
-        for (uint32_t n = 0; n < ix->nodes_used; n++) ix->nodes[n].stamp = ix->nodes[n].born = 0;
+    if (++ix->epoch == (uint32_t)1 << 31) {   /* wrapped: no node may look moved or created by a later call */
+        for (uint32_t n = 0; n < ix->nodes_used; n++) ix->nodes[n].stamp = 0;
         ix->epoch = 1;
     }
-    return ix->epoch;
+    return ix->epoch << 1;   /* a call's stamp: even and never 0; a node it creates gets ``stamp | 1`` */
 }
 
 /* --- hash arguments ------------------------------------------------------------------------- */
@@ -541,13 +544,13 @@ add_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n, int has_parent
         if (x == NIL) {
             x = node_alloc(ix);
             if (x == NIL) return -1;
-            ix->nodes[x] = (Node){h, now, e, NIL, NIL, stamp, stamp};
+            ix->nodes[x] = (Node){h, now, e, NIL, NIL, stamp | 1};
             ix->table[slot] = make_slot(x, node_key(e, h));
             ix->table_used++;
             ix->engines[e].count++;
             lru_append(ix, x);
             created++;
-        } else if (ix->nodes[x].stamp != stamp) {   /* held before: moves to the fresh end */
+        } else if ((ix->nodes[x].stamp & ~1u) != stamp) {   /* held before: moves to the fresh end */
             lru_unlink(ix, x);
             ix->nodes[x].time = now;
             ix->nodes[x].stamp = stamp;
@@ -561,7 +564,7 @@ add_words(Index *ix, uint32_t e, const int64_t *hs, Py_ssize_t n, int has_parent
         for (Py_ssize_t i = 0; i < n; i++) {
             Node *x = &ix->nodes[at[i]];
             int64_t h = x->hash;
-            if (x->born == stamp) {   /* the engine did not hold it before this call */
+            if (x->stamp == (stamp | 1)) {   /* the engine did not hold it before this call */
                 Owner *o = &ix->owners[owner_find_slot(ix, h)];
                 if (o->count == 0) {   /* new to the index: continues ``prev``, and is a leaf */
                     *o = (Owner){h, e, 1, 1, 0, NULL};

@@ -25,16 +25,20 @@
 #include "_index.h"
 #include "_tables.h"
 
+/* 32 bytes in a table aligned to the cache line (``line_calloc``), so that no entry straddles two
+ * lines: a probe reads the first 16 (key, group, per), and at 48 bytes half the entries of a table
+ * spanned two lines, a second cache miss per lookup in a table far larger than the caches. */
 typedef struct {
     uint64_t key;        /* the engine hash, low 64 bits */
-    int64_t depth;       /* our blocks from the prompt's start through this one */
-    int64_t one;         /* our hash, when ``per`` is 1 */
-    int64_t *many;       /* our hashes, when ``per`` > 1 */
     int32_t group;       /* the KV cache group */
     uint32_t per;        /* our hashes; 0: an empty slot */
-    uint32_t stamp;      /* the ``store`` call that wrote it */
-    uint32_t pad;
+    int64_t depth;       /* our blocks from the prompt's start through this one */
+    union {
+        int64_t one;     /* our hash, when ``per`` is 1 */
+        int64_t *many;   /* our hashes, when ``per`` > 1 */
+    } ours;
 } Entry;
+_Static_assert(sizeof(Entry) == 32, "an entry is half a cache line");
 
 typedef struct {
     int64_t hash;
@@ -72,7 +76,13 @@ entry_home(uint64_t key, int32_t group, uint64_t mask)
 static inline const int64_t *
 entry_ours(const Entry *e)
 {
-    return e->per == 1 ? &e->one : e->many;
+    return e->per == 1 ? &e->ours.one : e->ours.many;
+}
+
+static inline void
+entry_free(Entry *e)
+{
+    if (e->per > 1) PyMem_Free(e->ours.many);
 }
 
 static uint64_t
@@ -90,7 +100,7 @@ static void
 entry_delete(Translation *t, uint64_t i)
 {
     uint64_t mask = t->entries_mask, j = i;
-    PyMem_Free(t->entries[i].many);
+    entry_free(&t->entries[i]);
     memset(&t->entries[i], 0, sizeof(Entry));
     for (;;) {
         j = (j + 1) & mask;
@@ -144,7 +154,7 @@ grow_entries(Translation *t, uint64_t need)
     while ((t->entries_used + need) * 2 > cap) cap *= 2;
     Entry *old = t->entries;
     uint64_t old_cap = t->entries_mask + 1;
-    Entry *fresh = PyMem_Calloc(cap, sizeof(Entry));
+    Entry *fresh = line_calloc(cap, sizeof(Entry));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -153,7 +163,7 @@ grow_entries(Translation *t, uint64_t need)
     t->entries_mask = cap - 1;
     for (uint64_t i = 0; i < old_cap; i++)
         if (old[i].per) t->entries[entry_slot(t, old[i].group, old[i].key)] = old[i];
-    PyMem_Free(old);
+    free(old);
     return 0;
 }
 
@@ -165,7 +175,7 @@ grow_counts(Translation *t, uint64_t need)
     while ((t->counts_used + need) * 2 > cap) cap *= 2;
     Count *old = t->counts;
     uint64_t old_cap = t->counts_mask + 1;
-    Count *fresh = PyMem_Calloc(cap, sizeof(Count));
+    Count *fresh = line_calloc(cap, sizeof(Count));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -174,7 +184,7 @@ grow_counts(Translation *t, uint64_t need)
     t->counts_mask = cap - 1;
     for (uint64_t i = 0; i < old_cap; i++)
         if (old[i].count) t->counts[count_slot(t, old[i].hash)] = old[i];
-    PyMem_Free(old);
+    free(old);
     return 0;
 }
 
@@ -237,7 +247,6 @@ static uint32_t
 next_epoch(Translation *t)
 {
     if (++t->epoch == 0) {   /* wrapped: nothing may look written by a later call */
-        for (uint64_t i = 0; i <= t->entries_mask; i++) t->entries[i].stamp = 0;
         for (uint64_t i = 0; i <= t->counts_mask; i++) t->counts[i].stamp = 0;
         t->epoch = 1;
     }
@@ -264,15 +273,15 @@ static void
 Translation_free_all(Translation *t)
 {
     if (t->entries != NULL)
-        for (uint64_t i = 0; i <= t->entries_mask; i++) PyMem_Free(t->entries[i].many);
+        for (uint64_t i = 0; i <= t->entries_mask; i++) entry_free(&t->entries[i]);
 }
 
 static void
 Translation_dealloc(Translation *t)
 {
     Translation_free_all(t);
-    PyMem_Free(t->entries);
-    PyMem_Free(t->counts);
+    free(t->entries);
+    free(t->counts);
     PyMem_Free(t->keys);
     PyMem_Free(t->ours);
     PyMem_Free(t->freed);
@@ -287,12 +296,12 @@ static int
 Translation_reset(Translation *t)
 {
     Translation_free_all(t);
-    PyMem_Free(t->entries);
-    PyMem_Free(t->counts);
+    free(t->entries);
+    free(t->counts);
     t->entries_mask = t->counts_mask = 255;
     t->entries_used = t->counts_used = 0;
-    t->entries = PyMem_Calloc(t->entries_mask + 1, sizeof(Entry));
-    t->counts = PyMem_Calloc(t->counts_mask + 1, sizeof(Count));
+    t->entries = line_calloc(t->entries_mask + 1, sizeof(Entry));
+    t->counts = line_calloc(t->counts_mask + 1, sizeof(Count));
     if (t->entries == NULL || t->counts == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -326,7 +335,7 @@ as_group(PyObject *obj, int32_t *out)
 static void
 prefetch_entries(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&t->entries[entry_home(keys[i], group, t->entries_mask)]);
+    for (Py_ssize_t i = 0; i < n; i++) touch(&t->entries[entry_home(keys[i], group, t->entries_mask)]);
 }
 
 /* The entry of a block the engine reported, or NULL. */
@@ -362,7 +371,7 @@ store_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, c
     Py_ssize_t m = n * (Py_ssize_t)per;
     if (grow_entries(t, (uint64_t)n) < 0 || grow_counts(t, (uint64_t)m) < 0) return -1;
     prefetch_entries(t, group, keys, n);
-    for (Py_ssize_t i = 0; i < m; i++) __builtin_prefetch(&t->counts[mix((uint64_t)ours[i]) & t->counts_mask]);
+    for (Py_ssize_t i = 0; i < m; i++) touch(&t->counts[mix((uint64_t)ours[i]) & t->counts_mask]);
     int64_t **arrays = NULL;   /* allocated before any change, so a failure changes nothing */
     if (per > 1) {
         arrays = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int64_t *));
@@ -393,13 +402,13 @@ store_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, c
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t slot = entry_slot(t, group, keys[i]);
         Entry *e = &t->entries[slot];
-        if (e->per) PyMem_Free(e->many);   /* met twice in this call: the last one counts */
+        if (e->per) entry_free(e);   /* met twice in this call: the last one counts */
         else t->entries_used++;
-        *e = (Entry){keys[i], (int64_t)(start + (long long)(i + 1) * per), 0, NULL, group, per, stamp, 0};
-        if (per == 1) e->one = ours[i];
+        *e = (Entry){keys[i], group, per, (int64_t)(start + (long long)(i + 1) * per), {0}};
+        if (per == 1) e->ours.one = ours[i];
         else {
-            e->many = arrays[i];
-            memcpy(e->many, &ours[i * per], (size_t)per * sizeof(int64_t));
+            e->ours.many = arrays[i];
+            memcpy(e->ours.many, &ours[i * per], (size_t)per * sizeof(int64_t));
         }
     }
     PyMem_Free(arrays);
@@ -473,7 +482,7 @@ remove_words(Translation *t, int32_t group, const uint64_t *keys, Py_ssize_t n, 
     prefetch_entries(t, group, keys, n);
     for (Py_ssize_t i = 0; i < n; i++) {   /* the counts of the entries' hashes, as far as they are at home */
         const Entry *e = &t->entries[entry_home(keys[i], group, t->entries_mask)];
-        if (e->per == 1) __builtin_prefetch(&t->counts[mix((uint64_t)e->one) & t->counts_mask]);
+        if (e->per == 1) touch(&t->counts[mix((uint64_t)e->ours.one) & t->counts_mask]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t slot = entry_slot(t, group, keys[i]);

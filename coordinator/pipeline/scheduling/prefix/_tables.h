@@ -20,12 +20,35 @@ mix(uint64_t x)
     return x;
 }
 
+/* Load the line at ``p`` now and drop the value: how a run's slots are asked for before any is used,
+ * so that their cache misses overlap. Why a load and not ``__builtin_prefetch``: a CPU may drop a
+ * prefetch (under a TLB miss, for one), never a load; measured applying 256 engines' batches at
+ * steady state, 0.96x the cost per block (six runs in turn, each one faster). ``p`` must be in bounds. */
+static inline void
+touch(const void *p)
+{
+    __asm__ volatile("" ::"r"(*(const volatile char *)p));
+}
+
 /* Backward-shift deletion: whether the entry at ``j`` (home slot ``home``) moves into the hole at
  * ``i``, i.e. its home is not cyclically within (i, j]. */
 static inline int
 fills_hole(uint64_t home, uint64_t i, uint64_t j, uint64_t mask)
 {
     return ((j - home) & mask) >= ((j - i) & mask);
+}
+
+/* ``n`` zeroed items of ``size`` bytes at a cache line's start (NULL: out of memory; free with
+ * ``free``). Why: the heap aligns to 16 bytes, and an item of 32 or 16 bytes that straddles two lines
+ * costs a second cache miss per probe. */
+static inline void *
+line_calloc(size_t n, size_t size)
+{
+    void *p = NULL;
+    if (n && size > SIZE_MAX / n) return NULL;
+    if (posix_memalign(&p, 64, n * size ? n * size : 1)) return NULL;
+    memset(p, 0, n * size);
+    return p;
 }
 
 /* Tables of many megabytes, zeroed, on transparent huge pages where the kernel has them. Why: every
@@ -39,7 +62,7 @@ fills_hole(uint64_t home, uint64_t i, uint64_t j, uint64_t mask)
 static inline void *
 big_calloc(size_t size, int huge)
 {
-    if (size < BIG_TABLE_BYTES) return calloc(1, size ? size : 1);
+    if (size < BIG_TABLE_BYTES) return line_calloc(1, size);
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
