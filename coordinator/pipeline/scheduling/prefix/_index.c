@@ -5,7 +5,7 @@
  * Python dicts cost a Python int per hash, a float or a tuple per entry and a cache miss or two per
  * insert and delete, and the garbage collector walks them; measured, they were most of the intake's
  * cost per block even when driven from C (docs/scheduling.md, "The native-speed question"). Here a
- * block is one 40-byte node in its engine's LRU list plus one 24-byte owner record; no Python
+ * block is one 32-byte node in its engine's LRU list plus one 24-byte owner record; no Python
  * object exists per block.
  *
  * The semantics are index.py's Python form, which stays as the fallback and the reference:

@@ -5,7 +5,7 @@
  * engine blocks that map to it. In Python that was a dict entry, two tuples and a Python int per hash
  * (~250 bytes per engine block, a million blocks at 256 engines) and a set and a dict beside them,
  * walked by the garbage collector; and the intake did it tens of thousands of times a second. Here an
- * engine block is one 48-byte entry (plus an array when it spans several of our blocks) and a hash of
+ * engine block is one 32-byte entry (plus an array when it spans several of our blocks) and a hash of
  * ours one 16-byte count.
  *
  * The semantics are ``_PyTranslation``'s (kv_events.py), which stays as the fallback and the reference
