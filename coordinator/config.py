@@ -518,7 +518,7 @@ class PrefixIndexSettings(_Section):
         default=20.0, ge=0, le=100, description="precise: the KV-event feeds wake the process at most once "
         "per this long and then drain every feed with news (one wake-up per interval, not per batch); the "
         "index is this much behind the engines at most (a decision's own routing lesson covers that window); "
-        "shorter costs more CPU per block (5 ms: ~1.2x at 256 engines); 0: wake for each batch "
+        "shorter costs more CPU per block (5 ms: ~1.3x at 256 engines); 0: wake for each batch "
         "(docs/scheduling.md, \"Gathered wake-ups\")")
     reader: FeedReader = Field(
         default="zmtp", description="precise: what reads the engines' KV-event feeds: `zmtp`, our own ZMTP "

@@ -85,8 +85,8 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
     hseed = chain_seed(MODEL)
     conn.send("ready")
     while True:
-        label = await asyncio.to_thread(conn.recv)
-        if label == "stop":
+        command = await asyncio.to_thread(conn.recv)   # "prepare" or "stop"
+        if command == "stop":
             break
         # A phase's prompts are made and hashed before it is measured ("prepare"): how long that takes
         # varies with the workload's pool from one phase to the next, and it is not the intake's.

@@ -36,7 +36,7 @@ typedef struct {
     double time;         /* last use */
     uint32_t engine;
     uint32_t prev, next; /* the engine's LRU list (oldest first); ``next`` chains the free list */
-    uint32_t stamp;      /* the last ``add`` call that moved it (``call_stamp``), its low bit set if that
+    uint32_t stamp;      /* the last ``add`` call that moved it (``next_epoch``), its low bit set if that
                           * call created it (tells new blocks from held ones) */
 } Node;
 _Static_assert(sizeof(Node) == 32, "a node is half a cache line");
