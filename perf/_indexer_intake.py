@@ -84,14 +84,19 @@ async def _worker_run(address: str, endpoints: list[str], conn: Connection, work
     wl = workload_cls(seed, n_systems=16, system_tokens=(2000, 8001), pool_max=64)
     hseed = chain_seed(MODEL)
     conn.send("ready")
+    prompts: list[list[int]] = []
+    hashed: list[list[int]] = []
     while True:
         command = await asyncio.to_thread(conn.recv)   # "prepare" or "stop"
         if command == "stop":
             break
-        # A phase's prompts are made and hashed before it is measured ("prepare"): how long that takes
-        # varies with the workload's pool from one phase to the next, and it is not the intake's.
-        prompts = [wl.next(tokens) for _ in range(decisions)]
-        hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
+        # The prompts are made and hashed before the first phase is measured ("prepare"), and every
+        # phase replays them: a phase is set against its neighbours, and with a fresh slice of the
+        # workload each, one slice's decisions cost a third more than another's at 4 workers (how
+        # many of its prompts open conversations, how long its chains are), as much as the intake.
+        if not prompts:
+            prompts = [wl.next(tokens) for _ in range(decisions)]
+            hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
         conn.send("prepared")
         label = await asyncio.to_thread(conn.recv)
         unanswered = remote.unanswered
@@ -213,6 +218,9 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         sent0 = publishers("go")
         published += publishers("pause") - sent0
         say(f"  warm-up: the first evictions took {sum(cpu()) - cpu0:.2f} s of the pod's CPU")
+        # And one unmeasured idle phase of decisions: the first time round, the prompts open their
+        # conversations, whose lessons index whole new chains.
+        phase("warm-up")
         # Idle and busy phases in turn, each busy phase set against the mean of the idle phases on either
         # side: the processes' own CPU drifts from one phase to the next (at 4 workers, by as much as
         # the whole intake), and a drift that is steady over the run cancels out this way.

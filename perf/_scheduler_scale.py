@@ -287,10 +287,14 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
     def stored() -> int:
         return sum(s.mirror.stats.blocks_stored for s in source.subscribers.values())
 
+    # Made before, with their hashes (render sends them): not on the loop's clock. Every phase replays
+    # the same prompts, after an unmeasured first round that opens their conversations: fresh slices
+    # of the workload cost differently (how many prompts open conversations, how long the chains
+    # are), and busy is set against idle.
+    prompts = [wl.next(tokens) for _ in range(decisions)]
+    hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
+
     async def phase(label: str) -> dict[str, Any]:
-        # Made before, with their hashes (render sends them): not on the loop's clock.
-        prompts = [wl.next(tokens) for _ in range(decisions)]
-        hashed = [block_hashes(p, BLOCK, hseed) for p in prompts]
         first, start, cpu0 = stored(), loop.time(), time.process_time()
         took, late = await timed_decisions(sched, prompts, hashed, interval_s, label)
         elapsed = loop.time() - start
@@ -310,6 +314,7 @@ async def _intake_run(workload_cls: Any, endpoints: list[str], control: Connecti
             break
         await asyncio.sleep(0.2)
     say(f"  filled: {filled:,} blocks applied")
+    await phase("warm-up")
     idle = await phase("idle")
     control.send("go")
     sent0 = control.recv()
