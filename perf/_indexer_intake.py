@@ -222,8 +222,8 @@ def _kv_intake_pod(workload_cls: Any, *, engines: int, tokens: int, decisions: i
         # conversations, whose lessons index whole new chains.
         phase("warm-up")
         # Idle and busy phases in turn, each busy phase set against the mean of the idle phases on either
-        # side: the processes' own CPU drifts from one phase to the next (at 4 workers, by as much as
-        # the whole intake), and a drift that is steady over the run cancels out this way.
+        # side: the processes' own CPU drifts from one phase to the next, and a drift that is steady
+        # over the run cancels out this way.
         idles, busies = [phase("idle")], []
         for _ in range(rounds):
             sent0 = publishers("go")

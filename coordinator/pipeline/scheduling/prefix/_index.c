@@ -815,21 +815,20 @@ Index_match(Index *ix, PyObject *arg)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyDict_New();
-    if (out == NULL || reserve_scratch(ix, n) < 0) goto fail;
+    if (out == NULL || n == 0) goto done;
+    if (reserve_scratch(ix, n) < 0) goto fail;
     for (Py_ssize_t i = 0; i < n; i++)   /* the types up front (cheap); the values when probed */
         if (!PyLong_Check(items[i])) {
-            PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s", Py_TYPE(items[i])->tp_name);
+            PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s",
+                         Py_TYPE(items[i])->tp_name);
             goto fail;
         }
     Hashes z = {items, ix->hscratch, (uint8_t *)ix->scratch};
     memset(z.done, 0, (size_t)n);
     int64_t h0;
-    if (n && hash_at(&z, 0, &h0) < 0) goto fail;
-    Owner *first = n ? owner_get(ix, h0) : NULL;
-    if (first == NULL) {
-        Py_DECREF(seq);
-        return out;
-    }
+    if (hash_at(&z, 0, &h0) < 0) goto fail;
+    Owner *first = owner_get(ix, h0);
+    if (first == NULL) goto done;
     uint32_t one = first->first;
     const uint32_t *live = first->count == 1 ? &one : first->more;
     uint32_t k = first->count;
@@ -863,8 +862,9 @@ Index_match(Index *ix, PyObject *arg)
     for (uint32_t j = 0; j < k; j++) ix->mark[engines[j]] = 0;
     PyMem_Free(engines);
     if (rc < 0) goto fail;
+done:
     Py_DECREF(seq);
-    return out;
+    return out;   /* NULL if the dict could not be made */
 fail:
     Py_XDECREF(out);
     Py_DECREF(seq);
