@@ -187,6 +187,11 @@ def test_galloping_match_equals_a_block_by_block_walk(native: bool) -> None:
         convs.append(prompt)
         hashes = block_hashes(prompt, 16, SEED)
         assert idx.match(hashes) == _walk(idx, hashes), step
+        lo = rng.randrange(len(hashes) + 1)
+        for engine in engines:   # on from any depth: the first one past it the engine does not hold
+            held = {h for h, _ in idx.state()[0].get(engine, ())}
+            end = next((d for d in range(lo, len(hashes)) if hashes[d] not in held), len(hashes))
+            assert idx.run_from(engine, hashes, lo) == (end if lo < len(hashes) and hashes[lo] in held else lo)
         idx.add(rng.choice(engines), hashes)
         chains.append(hashes)
     assert all(0 < idx.blocks(e) <= 300 for e in engines)
@@ -270,6 +275,8 @@ def test_the_native_index_holds_exactly_what_the_python_form_holds(ttl: int | No
         c, py = pair
         assert c.state() == py.state(), step
         assert c.match(probe) == py.match(probe), step    # both tick their clock: expiry runs alike
+        lo = rng.randrange(len(probe) + 1)
+        assert [c.run_from(e, probe, lo) for e in engines] == [py.run_from(e, probe, lo) for e in engines], step
         assert c.engines() == py.engines() and [c.blocks(e) for e in engines] == [py.blocks(e) for e in engines]
         assert [c.continues(h) for h in probe] == [py.continues(h) for h in probe], step
         assert all(c.owners(h) == py.owners(h) for h in probe), step

@@ -382,6 +382,35 @@ def test_precise_source_counts_prefills_in_flight_until_events_confirm_them() ->
     assert later is not None and later.matched_tokens == 0
 
 
+def test_a_lesson_reads_on_past_what_the_events_confirm_and_stops_where_the_engine_evicts() -> None:
+    """The pending layer holds a lesson only past what the engine's KV events confirm (a turn of a
+    long conversation is its new blocks, not the whole chain again): a follower still matches the
+    whole chain on that engine, and no further than the engine's own run once it evicts a block."""
+    now = [0.0]
+    settings = Settings(engines=[EngineSettings(**e) for e in urls(3)],
+                        scheduling=SchedulingSettings(policy="custom", picker="max_score"))
+    registry = EngineRegistry(settings, httpx.AsyncClient())
+    events_index, pending = PrefixIndex(), PrefixIndex(ttl_s=10, clock=lambda: now[0])
+    sched = Scheduler(registry, build_profile(settings.scheduling, TokenLedger(None).engine_room),
+                      index=events_index, block_size=16, learn=False, topology=settings.topology,
+                      pending=pending)
+    first = sched.place(req(PROMPT))
+    assert first is not None
+    url = first.engine.url
+    chain = block_hashes(PROMPT, 16, chain_seed(MODEL))
+    events_index.add(url, chain)                     # the engine's events confirm the first turn
+    now[0] = 11.0                                    # and its lesson has expired
+    turn = [*PROMPT, *range(1000, 1064)]             # + 4 blocks
+    second = sched.place(req(turn))
+    assert second is not None and second.engine.url == url and second.matched_tokens == 320
+    assert pending.blocks(url) == 4                  # only what the events have not confirmed
+    follower = sched.place(req([*turn, 7, 8, 9]))
+    assert follower is not None and follower.engine.url == url and follower.matched_tokens == 384
+    events_index.remove(url, [chain[-1]])            # the engine evicts the first turn's last block
+    after = sched.place(req([*turn, 10, 11, 12]))
+    assert after is not None and after.matched_tokens == 304
+
+
 def tiered(tiers: dict[str, float]) -> tuple[Scheduler, EngineRegistry, PrefixIndex, dict[str, PrefixIndex]]:
     """The precise source with offload tiers (as ``app.py`` builds it), the default scoring."""
     settings = Settings(engines=[EngineSettings(**e) for e in urls(3)])

@@ -871,6 +871,42 @@ fail:
     return NULL;
 }
 
+/* run_from(engine, hashes, lo) -> the first depth at or past ``lo`` whose block the engine does not
+ * hold (``lo`` if it does not hold ``hashes[lo]``), as ``PrefixIndex.run_from``. */
+static PyObject *
+Index_run_from(Index *ix, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run_from(engine, hashes, lo)");
+        return NULL;
+    }
+    Py_ssize_t lo = PyLong_AsSsize_t(args[2]);
+    if (lo == -1 && PyErr_Occurred()) return NULL;
+    if (lo < 0) {
+        PyErr_SetString(PyExc_ValueError, "lo must be >= 0");
+        return NULL;
+    }
+    uint32_t e;
+    if (held_engine(ix, args[0], &e) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "hashes must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), end = lo;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (e != NIL && lo < n) {
+        if (reserve_scratch(ix, n) < 0) goto fail;
+        Hashes z = {items, ix->hscratch, (uint8_t *)ix->scratch};
+        memset(z.done, 0, (size_t)n);
+        int held = is_held(ix, &z, lo, e, 0);
+        if (held < 0) goto fail;
+        if (held && (end = run_end(ix, &z, n, lo, e, 0)) < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(end);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyObject *
 owner_object(Index *ix, const Owner *o)
 {
@@ -1044,6 +1080,8 @@ static PyMethodDef Index_methods[] = {
     {"expire", (PyCFunction)Index_expire, METH_O,
      "expire(oldest) -> the oldest last use left: drop every block used before oldest"},
     {"match", (PyCFunction)Index_match, METH_O, "match(hashes) -> {engine: leading blocks held}"},
+    {"run_from", (PyCFunction)(void (*)(void))Index_run_from, METH_FASTCALL,
+     "run_from(engine, hashes, lo) -> the first depth at or past lo whose block the engine does not hold"},
     {"owners", (PyCFunction)Index_owners, METH_O, "owners(hash) -> set of engines"},
     {"continues", (PyCFunction)Index_continues, METH_O,
      "continues(hash) -> whether no indexed block continues it"},

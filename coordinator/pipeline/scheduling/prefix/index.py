@@ -281,11 +281,7 @@ class PrefixIndex:
         skipped, which counts the blocks after it as held: at worst one mis-scored decision."""
         if not hashes:
             return {}
-        if self._ttl is not None:
-            now = self._clock()
-            if now - self._ttl > self._floor and now - self._expired_at >= min(1.0, self._ttl / 10):
-                self._expired_at = now
-                self._expire(now)
+        self._expire_due()
         if self._core is not None:
             return self._core.match(hashes)
         get = self._owners.get
@@ -304,6 +300,32 @@ class PrefixIndex:
         for e in still:
             matched[e] = _run_end(hashes, bad, self._blocks[e].__contains__)
         return matched
+
+    def run_from(self, engine: str, hashes: Sequence[BlockHash], lo: int) -> int:
+        """The first depth at or past ``lo`` whose block ``engine`` does not hold (``lo`` if it does not
+        hold ``hashes[lo]``; galloping, as ``match``): how far a chain goes on in this index from a depth
+        another one vouches for (``PrefixMemory``: the pending layer past what the engine's own KV
+        events confirm)."""
+        if lo < 0:
+            raise ValueError("lo must be >= 0")
+        if lo >= len(hashes):
+            return lo
+        self._expire_due()
+        if self._core is not None:
+            return self._core.run_from(engine, hashes, lo)
+        blocks = self._blocks.get(engine)
+        if not blocks or hashes[lo] not in blocks:
+            return lo
+        return _run_end(hashes, lo, blocks.__contains__)
+
+    def _expire_due(self) -> None:
+        """With a TTL, drop what it expired, at most every tenth of it (and only once the cutoff
+        passes the floor of every block's last use)."""
+        if self._ttl is not None:
+            now = self._clock()
+            if now - self._ttl > self._floor and now - self._expired_at >= min(1.0, self._ttl / 10):
+                self._expired_at = now
+                self._expire(now)
 
     def _expire(self, now: float) -> None:
         """Drop blocks unused for ``ttl_s``. Use moves a block to the end, so expired ones are at the

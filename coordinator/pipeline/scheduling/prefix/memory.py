@@ -2,7 +2,8 @@
 
 Two sources, one view: the prefix index (fed by routing decisions, the approximate source, or by the
 engines' KV events, the precise one), a short-lived pending layer that decisions feed while the
-index waits for KV events (a prefix being prefilled right now must already attract its followers),
+index waits for KV events (a prefix being prefilled right now must already attract its followers;
+it holds a lesson only past what the engine's events confirm, and a lookup reads it on from there),
 and the lessons of decisions not applied yet. Learning is the step after a placement: a decision
 only reads, and what it teaches is applied later in one batch (``defer``), while later decisions
 read the unapplied lessons directly (``lookup``), so they see what they would have seen without
@@ -187,9 +188,21 @@ class PrefixMemory:
             if n >= best and extends(n, shapes):
                 continuing.add(url)
 
+        confirmed: dict[str, int] = {}
         for index in indexes:
-            for url, n in index.match(hashes).items():
+            runs = index.match(hashes)
+            if index is self.index:
+                confirmed = runs
+            for url, n in runs.items():
                 note(url, n, (index,))
+        if self._pends_past_index:
+            # The pending layer holds a lesson only past what the engine's events confirm (``_pend``):
+            # read it on from where the engine's run in the index ends.
+            assert self.index is not None and self.pending is not None
+            for url, n in confirmed.items():
+                end = self.pending.run_from(url, hashes, n)
+                if end > n:
+                    note(url, end, (self.index, self.pending))
         if view is not None:
             for url, n in view.matched.items():
                 note(url, n, () if url in view.continuing else (_NEVER,))
@@ -266,7 +279,22 @@ class PrefixMemory:
             if self._learns and self.index is not None:
                 self.index.add(url, hashes)
             if self.pending is not None:
-                self.pending.add(url, hashes)
+                self._pend(url, hashes)
+
+    @property
+    def _pends_past_index(self) -> bool:
+        """The precise source: the index is the engines' KV events, the pending layer the lessons."""
+        return self.index is not None and self.pending is not None and not self._learns
+
+    def _pend(self, url: str, hashes: list[BlockHash]) -> None:
+        """A lesson in the pending layer, only past what the engine's own KV events already confirm
+        (its run in the index), which ``lookup`` reads on from: a turn of a 100k-token conversation
+        is then its new blocks, not all 6,250 again (0.5-1.9 ms of table work each)."""
+        assert self.pending is not None
+        index = self.index if self._pends_past_index else None
+        held = index.run_from(url, hashes, 0) if index is not None else 0
+        if held < len(hashes):
+            self.pending.add(url, hashes[held:], parent=hashes[held - 1] if held else None)
 
     def forget(self, engine_url: str) -> None:
         """An engine left (or lost its cache): nothing is known to be cached there any more."""
